@@ -15,7 +15,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     n: int = 1
     max_tokens: int | None = 16
-    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -35,7 +34,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                f"must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         _check(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")

@@ -1,0 +1,86 @@
+"""One generation request as the engine core sees it: tokens in, tokens out, and where its KV cache lives."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from gracelm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's `finish_reason` for a finished state ("stop" | "length" | "abort"), else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)  # identity semantics: two requests are never "equal", and both can sit in a set
+class Request:
+    """A single sequence (the frontend fans `SamplingParams.n` out into n requests, so `n` is ignored here).
+
+    `num_computed_tokens` counts the tokens whose keys and values are in the KV cache. A request that has
+    just sampled a token has `num_tokens - 1` computed: the new token is fed to the model next step.
+    `block_hashes` caches the chained hash of each full block of `all_token_ids`; the token sequence only
+    ever grows, so the chain stays valid across steps and across preemption.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.time)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    stop_reason: int | None = None  # the stop_token_ids entry that ended the request; None for eos
+    _all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens; a live list kept by the request (read it, never mutate it)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason

@@ -1,0 +1,234 @@
+"""Iteration-level continuous batching: each step, which requests run and how many of their tokens.
+
+Invariant behind preemption and FCFS: `running` followed by `waiting` lists every unfinished request in
+arrival order. Admission takes the head of `waiting` (strictly first come, first served), preemption
+moves the tail of `running` back to the head of `waiting`, so the request preempted is always the most
+recently arrived running one, and a preempted request resumes before anything that arrived after it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gracelm.engine.kv_cache_manager import KVCacheManager
+from gracelm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int  # token budget of one step, prefill chunks and decodes together
+    max_model_len: int  # prompt plus output tokens of one request
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int | None = None  # caps one request's prefill chunk per step
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError(f"long_prefill_token_threshold must be at least 1, got "
+                             f"{self.long_prefill_token_threshold}")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start_position: int  # position of the first new token: the request's computed tokens before the step
+    block_ids: list[int]  # the request's whole block table for this step (a copy)
+    samples: bool  # the step computes the request's last token, so a next token is sampled for it
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
+    preempted_request_ids: list[str] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    request_id: str
+    token_id: int
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" once finished
+    stop_reason: int | None  # the stop_token_ids entry that ended it
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        blocks_per_request = -(-config.max_model_len // config.block_size)
+        if blocks_per_request > config.num_blocks:
+            # Otherwise a lone long request could never be scheduled, and waiting for it would never end.
+            raise ValueError(
+                f"the KV cache ({config.num_blocks} blocks of {config.block_size} tokens = "
+                f"{config.num_blocks * config.block_size} tokens) cannot hold one request of max_model_len "
+                f"{config.max_model_len} tokens ({blocks_per_request} blocks); give the KV cache more memory "
+                f"or lower max_model_len"
+            )
+        self.config = config
+        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request last; refuses, queueing nothing, one that could never run."""
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: the prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_model_len ({self.config.max_model_len})"
+            )
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's work: running requests first, in arrival order (a decode token, or the next
+        prefill chunk), preempting when blocks run out; then waiting requests while budget, seats and
+        blocks last."""
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, output):
+                break  # it was the tail of `running` and preempted itself: nothing after it is left
+            budget -= self._add(output, request, num_new)
+            index += 1
+        # After a preemption the cache is short: admitting more now would only preempt again.
+        while (self.waiting and budget > 0 and not output.preempted_request_ids
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            num_new = self._chunk(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.running.append(request)
+            budget -= self._add(output, request, num_new)
+        return output
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[RequestUpdate]:
+        """Records a step's results: computed tokens, newly full blocks, sampled tokens and stops."""
+        updates = []
+        any_finished = False
+        for item in output.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_full_blocks(request)
+            if not item.samples:
+                continue
+            token_id = sampled_token_ids[request.request_id]
+            request.append_output_token(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                any_finished = True
+            updates.append(RequestUpdate(request.request_id, token_id, request.is_finished,
+                                         request.finish_reason, request.stop_reason))
+        if any_finished:
+            self.running = [request for request in self.running if not request.is_finished]
+        return updates
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Aborts the requests, freeing their blocks at once; returns the ids that were unfinished."""
+        aborted = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request_id)
+        return aborted
+
+    def stats(self) -> dict[str, int | float]:
+        kv = self.kv_cache
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_blocks_total": kv.num_total_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_usage": kv.usage,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+        }
+
+    def _chunk(self, num_remaining: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold or num_remaining
+        return min(num_remaining, budget, threshold)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        """Reserves blocks for a running request, preempting from the tail of `running` until they fit.
+
+        Returns False when the request had to preempt itself. The victims come after it in `running`,
+        so none of them has been scheduled in this step yet.
+        """
+        while not self.kv_cache.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self.kv_cache.free(victim)
+            victim.num_computed_tokens = 0  # recomputed on resumption, output tokens included
+            victim.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(victim)
+            output.preempted_request_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    @staticmethod
+    def _add(output: SchedulerOutput, request: Request, num_new: int) -> int:
+        start = request.num_computed_tokens
+        output.scheduled.append(ScheduledRequest(request, num_new, start, list(request.block_ids),
+                                                 start + num_new == request.num_tokens))
+        output.total_num_scheduled_tokens += num_new
+        return num_new
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        # Stop tokens first: a model that ends its answer on its last allowed token did stop.
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        max_tokens = params.max_tokens
+        if request.num_tokens >= self.config.max_model_len or (
+                max_tokens is not None and len(request.output_token_ids) >= max_tokens):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        del self._requests[request.request_id]
