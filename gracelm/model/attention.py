@@ -1,0 +1,177 @@
+"""Paged attention: the KV cache, its layout, and attention of a mixed prefill/decode batch over it.
+
+Layout of one layer's cache: `[2, num_kv_heads, num_blocks, block_size, head_dim]` (K then V). Head-major,
+so that gathering a sequence's blocks (`index_select` on the block dimension) directly yields the
+`[kv_heads, tokens, head_dim]` operands of the attention matmuls: no transposing copy of the context.
+A token's slot `block_id * block_size + offset` indexes dim 1 of `cache[i].view(kv_heads, -1, head_dim)`.
+
+The attention math runs in float32 whatever the cache dtype: on CPU, bf16 attention with one query token is
+several times slower than float32 (see DESIGN.md, "Measured on this machine"), and float32 keeps the
+softmax exact. Decode tokens (query length 1) of all sequences go through one batched, masked computation;
+prefill chunks go one sequence at a time through `scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gracelm.config import ModelConfig
+from gracelm.model.forward_batch import ForwardBatch
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """One zeroed cache tensor per layer. Zeroed, not empty: padded block-table entries are read (then
+    masked), and a NaN in never-written memory would survive the mask as 0 * NaN."""
+    shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block id costs across all layers (K and V)."""
+    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim
+    return per_layer * config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class DecodeGroup:
+    """The sequences with one query token, attended in a single batched computation."""
+
+    rows: torch.Tensor | None  # [Bd] token rows of their queries; None when they are all T tokens, in order
+    block_ids: torch.Tensor  # [Bd * blocks_per_seq] their block tables, truncated to the longest, flattened
+    blocks_per_seq: int
+    mask: torch.Tensor  # [1, Bd, 1, blocks_per_seq * block_size] float32: 0 for context, -inf for padding
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of several query tokens, possibly after context already in the cache."""
+
+    start: int  # first token row
+    length: int  # query tokens
+    context: int  # tokens cached before this chunk
+    block_ids: torch.Tensor | None  # blocks covering context + chunk; None when there is no context
+    mask: torch.Tensor | None  # [length, context + length] bool causal mask offset by context
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the layers need about the batch's shape, derived once per forward, not once per layer."""
+
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    decode: DecodeGroup | None
+    prefills: list[PrefillSpan]
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, block_size: int) -> AttentionMetadata:
+        starts = [0]
+        for q in batch.query_lens:
+            starts.append(starts[-1] + q)
+        decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
+        prefills = [
+            _prefill_span(batch, i, starts[i], block_size)
+            for i, q in enumerate(batch.query_lens)
+            if q > 1
+        ]
+        decode = _decode_group(batch, decode_seqs, starts, block_size) if decode_seqs else None
+        return cls(batch.slot_mapping, starts[-1], decode, prefills)
+
+
+def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], block_size: int) -> DecodeGroup:
+    seq_lens = [batch.seq_lens[i] for i in seqs]
+    blocks_per_seq = -(-max(seq_lens) // block_size)
+    device = batch.block_tables.device
+    index = torch.tensor(seqs, dtype=torch.long, device=device)
+    block_ids = batch.block_tables.index_select(0, index)[:, :blocks_per_seq].reshape(-1)
+    lens = torch.tensor(seq_lens, device=device)
+    in_context = torch.arange(blocks_per_seq * block_size, device=device)[None, :] < lens[:, None]
+    mask = torch.zeros(in_context.shape, dtype=torch.float32, device=device)
+    mask.masked_fill_(~in_context, float("-inf"))
+    all_tokens_in_order = len(seqs) == starts[-1]
+    rows = None if all_tokens_in_order else torch.tensor([starts[i] for i in seqs], device=device)
+    return DecodeGroup(rows, block_ids, blocks_per_seq, mask[None, :, None, :])
+
+
+def _prefill_span(batch: ForwardBatch, i: int, start: int, block_size: int) -> PrefillSpan:
+    length, seq_len = batch.query_lens[i], batch.seq_lens[i]
+    context = seq_len - length
+    if context == 0:
+        return PrefillSpan(start, length, 0, None, None)
+    device = batch.block_tables.device
+    block_ids = batch.block_tables[i, : -(-seq_len // block_size)]
+    key_pos = torch.arange(seq_len, device=device)
+    query_pos = torch.arange(context, seq_len, device=device)
+    return PrefillSpan(start, length, context, block_ids, key_pos[None, :] <= query_pos[:, None])
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Writes k, v [T, kv_heads, head_dim] at their slots, then attends q [T, heads, head_dim] causally to
+    each sequence's cached context. Returns [T, heads * head_dim] in q's dtype."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    key_cache = kv_cache[0].view(kv_heads, -1, head_dim)
+    value_cache = kv_cache[1].view(kv_heads, -1, head_dim)
+    key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+    value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+    scale = 1.0 / math.sqrt(head_dim)
+    decode = meta.decode
+    if decode is not None and decode.rows is None:
+        return _decode_attention(q, kv_cache, decode, scale).to(q.dtype)
+    out = torch.empty(meta.num_tokens, num_heads * head_dim, dtype=torch.float32, device=q.device)
+    if decode is not None:
+        decoded = _decode_attention(q.index_select(0, decode.rows), kv_cache, decode, scale)
+        out.index_copy_(0, decode.rows, decoded)
+    for span in meta.prefills:
+        rows = slice(span.start, span.start + span.length)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
+    return out.to(q.dtype)
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
+) -> torch.Tensor:
+    """q [Bd, heads, head_dim] -> [Bd, heads * head_dim] float32: one masked matmul-softmax-matmul for all."""
+    batch, num_heads, head_dim = q.shape
+    _, kv_heads, _, block_size, _ = kv_cache.shape
+    length = group.blocks_per_seq * block_size
+    kv = kv_cache.index_select(2, group.block_ids).view(2, kv_heads, batch, length, head_dim).float()
+    # GQA without repeating K/V: query head h reads KV head h // group, so group the query heads.
+    queries = q.float().view(batch, kv_heads, num_heads // kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(queries, kv[0].transpose(-1, -2)).mul_(scale).add_(group.mask)
+    out = torch.matmul(scores.softmax(dim=-1), kv[1])  # [kv_heads, Bd, group, head_dim]
+    return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float
+) -> torch.Tensor:
+    """One sequence's chunk: q [L, heads, head_dim] -> [L, heads * head_dim] float32."""
+    if span.block_ids is None:
+        keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
+    else:
+        kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
+        gathered = kv_cache.index_select(2, span.block_ids).view(2, kv_heads, -1, head_dim)
+        seq_len = span.context + span.length
+        keys, values, mask = gathered[0, :, :seq_len], gathered[1, :, :seq_len], span.mask
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        keys.float(),
+        values.float(),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1).reshape(span.length, -1)

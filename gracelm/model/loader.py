@@ -1,0 +1,208 @@
+"""Loads a model: a Hugging Face directory (config.json + safetensors) or a single GGUF file.
+
+The module is built on the `meta` device and the checkpoint's tensors are assigned into it, so weights exist
+once in memory (cast only when the requested dtype differs from the file's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from gracelm.config import ModelConfig, UnsupportedModelError
+from gracelm.model.llama import LlamaForCausalLM
+from gracelm.model.rope import rope_type
+from gracelm.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors the module recomputes or shares instead of loading.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ModelLoadError(ValueError):
+    """The model at a path cannot be loaded; the message names the path and the problem."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model path does not exist."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    path: Path
+    dtype: torch.dtype
+    name: str
+
+
+def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto") -> LoadedModel:
+    """Loads weights, config and tokenizer; `path=None` is the default model (SmolLM2-135M-Instruct GGUF)."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    if path is None:
+        from gracelm.model.gguf_loader import default_model_path
+
+        path = default_model_path()
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {path} does not exist")
+    if path.is_dir():
+        return _load_hf_directory(path, dtype)
+    if path.suffix == ".gguf":
+        return _load_gguf_file(path, dtype)
+    raise ModelLoadError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
+
+
+def _load_hf_directory(path: Path, dtype: str) -> LoadedModel:
+    config = _read_hf_config(path)
+    with ExitStack() as stack:
+        handles = {file: stack.enter_context(_open_safetensors(file)) for file in _safetensors_files(path)}
+        target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_safetensors(handles.values())
+        state = dict(_read_tensors(handles, target))
+    model = build_model(config, state, target, source=path)
+    return LoadedModel(config, model, Tokenizer.from_dir(path), path, target, path.name)
+
+
+def _load_gguf_file(path: Path, dtype: str) -> LoadedModel:
+    from gracelm.model.gguf_loader import load_gguf
+
+    target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_gguf(path)
+    config, state, tokenizer = load_gguf(path, dtype=target)
+    model = build_model(config, state, target, source=path)
+    return LoadedModel(config, model, tokenizer, path, target, path.stem)
+
+
+def build_model(
+    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, source: Path
+) -> LlamaForCausalLM:
+    """Assigns `state` (HF names, already in `dtype`) into a module built without allocating weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = set(shapes)
+    state = {name: t for name, t in state.items() if not name.endswith(_IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
+    missing = sorted(expected - state.keys())
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ModelLoadError(f"{source}: missing tensors: {shown}")
+    unexpected = sorted(state.keys() - expected)
+    if unexpected:
+        logger.warning("%s: ignoring %d tensors this model does not use: %s", source, len(unexpected),
+                       ", ".join(unexpected[:8]))
+    misfits = [f"{name} is {list(state[name].shape)}, the config needs {list(shapes[name])}"
+               for name in sorted(expected) if tuple(state[name].shape) != shapes[name]]
+    if misfits:
+        raise ModelLoadError(f"{source}: tensors do not fit the config: {'; '.join(misfits[:4])}")
+    model.load_state_dict({name: state[name] for name in expected}, strict=True, assign=True)
+    del state
+    model.eval().requires_grad_(False)
+    logger.info("loaded %s (%s, %s)", source, config.architecture, dtype)
+    return model
+
+
+def _read_hf_config(path: Path) -> ModelConfig:
+    file = path / "config.json"
+    if not file.is_file():
+        raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    try:
+        hf = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
+    try:
+        return ModelConfig.from_hf_config(_flatten_rope_parameters(hf))
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{path}: {e}") from e
+    except KeyError as e:
+        raise ModelLoadError(f"{file} lacks the field {e.args[0]!r}") from e
+
+
+def _flatten_rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes `rope_parameters` (theta and scaling together) instead of the older top-level
+    `rope_theta` and `rope_scaling` that `ModelConfig.from_hf_config` reads; accept both forms."""
+    rope = hf.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        return hf
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    rope_scaling = scaling if rope_type(scaling) != "default" else None
+    return {**hf, "rope_theta": rope["rope_theta"], "rope_scaling": rope_scaling}
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [file.name for file in files if not file.is_file()]
+        if absent:
+            raise ModelLoadError(f"{path}: shards named in {INDEX_FILE} are missing: {', '.join(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" (found {', '.join(other)}: only safetensors weights are supported)" if other else ""
+        raise ModelLoadError(f"{path} has no *.safetensors weights{hint}")
+    return files
+
+
+def _open_safetensors(file: Path) -> Any:
+    try:
+        return safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"{file} is not a readable safetensors file (corrupt or truncated?): {e}") from e
+
+
+def _read_tensors(handles: dict[Path, Any], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for file, handle in handles.items():
+        for name in handle.keys():
+            try:
+                tensor = handle.get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise ModelLoadError(f"{file}: cannot read tensor {name}: {e}") from e
+            yield name, _cast(tensor, dtype)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+
+
+def _auto_dtype_of_safetensors(handles: Any) -> torch.dtype:
+    """bfloat16 for a half-precision checkpoint (never float16: slow on CPU), float32 for a float32 one."""
+    for handle in handles:
+        for name in handle.keys():
+            if handle.get_slice(name).get_dtype() in ("BF16", "F16"):
+                return torch.bfloat16
+    return torch.float32
+
+
+def _auto_dtype_of_gguf(path: Path) -> torch.dtype:
+    """float32 only for an all-F32 file; quantized and half-precision files run in bfloat16."""
+    from gguf import GGMLQuantizationType
+
+    from gracelm.model.gguf_reader import read_gguf
+
+    tensors = read_gguf(path).tensors.values()
+    all_f32 = all(t.ggml_type == GGMLQuantizationType.F32 for t in tensors)
+    return torch.float32 if all_f32 else torch.bfloat16

@@ -1,0 +1,67 @@
+"""Rotary position embedding (RoPE) of the Llama family, with the `linear` and `llama3` frequency scalings."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gracelm.config import ModelConfig, UnsupportedModelError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_type(rope_scaling: dict[str, Any] | None) -> str:
+    """The scaling kind named by a `rope_scaling` dict (older configs call the key `type`)."""
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type") or rope_scaling.get("type") or "default")
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The [head_dim / 2] float32 rotation speeds, computed exactly as transformers does so logits match."""
+    kind = rope_type(config.rope_scaling)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope scaling {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    dim = config.head_dim
+    # Explicit device: the model may be built under a `meta` device context, and this buffer is not loaded.
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling or {}
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: slow frequencies divided by `factor`, fast ones kept, the band between interpolated."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, head_dim] for the tokens' positions, computed once per forward for all layers."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [T, heads, head_dim] by the per-token angles (the rotate-half convention of HF weights)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,156 @@
+"""The paged model computes transformers' logits (float32, within 1e-4) for every way the engine calls it:
+mixed-length batches, prompts split over several calls, and decode steps over scattered cache blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.llama import LlamaForCausalLM
+from gracelm.model.loader import load_model
+from tests.tiny_models import VOCAB_SIZE, tiny_model
+
+ATOL = 1e-4
+BLOCK_SIZE = 4  # small, so that sequences span many blocks
+
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "llama-rope-llama3": ("llama", {"rope_theta": 10000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),
+    "llama-rope-linear": ("llama", {"rope_theta": 10000.0,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
+}
+
+
+class PagedRunner:
+    """Drives the model as an engine does: each sequence owns blocks taken from a shuffled free list."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 96, seed: int = 0) -> None:
+        self.model = model
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, torch.float32)
+        generator = torch.Generator().manual_seed(seed)
+        self.free_blocks = torch.randperm(num_blocks, generator=generator).tolist()
+        self.blocks: dict[int, list[int]] = {}
+        self.tokens: dict[int, list[int]] = {}
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """One forward over (sequence id, new tokens) chunks; logits of every new token, per chunk."""
+        input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        for seq, new in chunks:
+            tokens, blocks = self.tokens.setdefault(seq, []), self.blocks.setdefault(seq, [])
+            for token in new:
+                position = len(tokens)
+                if position % BLOCK_SIZE == 0:
+                    blocks.append(self.free_blocks.pop())
+                tokens.append(token)
+                input_ids.append(token)
+                positions.append(position)
+                slots.append(blocks[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
+            query_lens.append(len(new))
+            seq_lens.append(len(tokens))
+        width = max(len(self.blocks[seq]) for seq, _ in chunks)
+        tables = [self.blocks[seq] + [0] * (width - len(self.blocks[seq])) for seq, _ in chunks]
+        self.last_batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids),
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slots),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=torch.tensor(tables),
+            logits_indices=torch.arange(len(input_ids)),
+        )
+        return list(self.model(self.last_batch, self.kv_caches).split(query_lens))
+
+    def rerun_for_last_tokens(self) -> list[torch.Tensor]:
+        """The last batch again (rewriting the same K/V), asking only for each sequence's last row."""
+        batch = self.last_batch
+        batch.logits_indices = torch.tensor(batch.query_lens).cumsum(0) - 1
+        return list(self.model(batch, self.kv_caches).split(1))
+
+
+Models = tuple[LlamaForCausalLM, torch.nn.Module]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def models(request: pytest.FixtureRequest) -> Models:
+    from transformers import AutoModelForCausalLM
+
+    arch, overrides = VARIANTS[request.param]
+    directory: Path = tiny_model(arch, **overrides)
+    ours = load_model(directory, dtype="float32").model
+    reference = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    )
+    return ours, reference.eval()
+
+
+def reference_logits(reference: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return reference(torch.tensor([tokens])).logits[0].float()
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB_SIZE, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_matches(ours: torch.Tensor, expected: torch.Tensor) -> None:
+    assert ours.shape == expected.shape
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
+
+
+def test_rope_scaling_reaches_the_model(models: Models) -> None:
+    ours, reference = models
+    hf_rope = reference.config.rope_parameters or {}
+    assert (ours.config.rope_scaling or {}).get("rope_type", "default") == hf_rope.get("rope_type", "default")
+    assert ours.config.rope_theta == hf_rope.get("rope_theta", ours.config.rope_theta)
+
+
+def test_one_batch_of_sequences_of_different_lengths(models: Models) -> None:
+    ours, reference = models
+    prompts = [random_tokens(n, seed=n) for n in (7, 1, 12, 3)]
+    runner = PagedRunner(ours)
+    chunks = list(enumerate(prompts))
+    for prompt, logits in zip(prompts, runner.step(chunks), strict=True):
+        assert_matches(logits, reference_logits(reference, prompt))
+    # Writing the same K/V again is idempotent, so the same batch can ask for its last rows only.
+    for prompt, logits in zip(prompts, runner.rerun_for_last_tokens(), strict=True):
+        assert_matches(logits, reference_logits(reference, prompt)[-1:])
+
+
+def test_prompt_split_over_several_calls(models: Models) -> None:
+    ours, reference = models
+    prompt, other = random_tokens(23, seed=1), random_tokens(6, seed=2)
+    runner = PagedRunner(ours, seed=1)
+    got = [runner.step([(0, prompt[:7]), (1, other)])[0]]
+    got += runner.step([(0, prompt[7:8])])  # a one-token chunk goes down the decode path
+    got += runner.step([(1, [5]), (0, prompt[8:17])])[1:]  # a chunk after context, beside a decode
+    got += runner.step([(0, prompt[17:])])
+    assert_matches(torch.cat(got), reference_logits(reference, prompt))
+    assert_matches(torch.cat(runner.step([(1, [9])])), reference_logits(reference, [*other, 5, 9])[-1:])
+
+
+def test_decode_steps_over_scattered_blocks(models: Models) -> None:
+    ours, reference = models
+    runner = PagedRunner(ours, seed=2)
+    prompts = {seq: random_tokens(n, seed=10 + seq) for seq, n in enumerate((5, 9, 2))}
+    got: dict[int, list[torch.Tensor]] = {seq: [] for seq in prompts}
+    for seq, logits in zip(prompts, runner.step(list(prompts.items())), strict=True):
+        got[seq].append(logits)
+    continuation = random_tokens(8 * len(prompts), seed=3)
+    for step in range(8):
+        chunks = [(seq, [continuation[step * len(prompts) + seq]]) for seq in prompts]
+        for seq, logits in zip(prompts, runner.step(chunks), strict=True):
+            got[seq].append(logits)
+    blocks_in_use = sorted(block for blocks in runner.blocks.values() for block in blocks)
+    assert blocks_in_use != list(range(blocks_in_use[0], blocks_in_use[0] + len(blocks_in_use)))
+    for seq, logits in got.items():
+        assert_matches(torch.cat(logits), reference_logits(reference, runner.tokens[seq]))
