@@ -49,7 +49,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative token ids")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed",
+               f"must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,308 @@
+"""Forward-pass speed of the model runtime against transformers and against this machine's own limits.
+
+    .venv/bin/python bench/forward.py                         # float32 and bfloat16, batches 1, 16, 64
+    .venv/bin/python bench/forward.py --quick                 # fewer repetitions, bfloat16 only
+    .venv/bin/python bench/forward.py --dtypes bfloat16 --batches 1,64 --json out.json
+
+On the default model (SmolLM2-135M-Instruct): decode steps of `--batch` sequences at `--context` tokens of
+context each, and one `--prefill`-token prompt, in tokens per second. Beside each figure: transformers on
+the same dequantized weights (its `LlamaForCausalLM`, decoding through a `DynamicCache` of the same length),
+and the machine's limits measured in the same run — large square matmul GFLOP/s per dtype, giving the
+model-FLOPs utilisation, and read bandwidth (a sum over a tensor far larger than the caches), giving the
+bandwidth utilisation of a decode step (weights + KV read per step, over bandwidth, against the step time).
+The machine may be shared and noisy: every figure is the median of several repetitions after a warm-up,
+and ours and transformers' alternate within each repetition, so that a busy spell slows both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from gracelm.config import ModelConfig
+from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.loader import DTYPES, LoadedModel, load_model
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Limits:
+    matmul_gflops: dict[str, float]  # dtype name -> GFLOP/s of a large square matmul
+    read_gbps: float  # GB/s of a sum over a large tensor
+
+
+@dataclass
+class Row:
+    case: str  # "decode" or "prefill"
+    dtype: str
+    batch: int  # sequences
+    tokens: int  # tokens computed per step
+    ours_ms: float
+    hf_ms: float | None
+    flops_per_step: float
+    bytes_per_step: float
+
+    def tokens_per_s(self, ms: float | None) -> float | None:
+        return None if ms is None else self.tokens / ms * 1e3
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def interleaved_ms(fns: list[Callable[[], object]], repeats: int, warmup: int = 2) -> list[float]:
+    """Median ms of each function, running them in turn within every repetition."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, bucket in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            bucket.append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def measure_limits(dtypes: list[str], repeats: int) -> Limits:
+    gflops = {}
+    n = 2048
+    for name in dtypes:
+        a = torch.randn(n, n).to(DTYPES[name])
+        b = torch.randn(n, n).to(DTYPES[name])
+        ms = median_ms(lambda a=a, b=b: torch.mm(a, b), repeats)
+        gflops[name] = 2 * n**3 / ms / 1e6
+    # 256 MiB: far beyond any cache level, so the sum streams from memory.
+    big = torch.ones(64 * 2**20, dtype=torch.float32)
+    ms = median_ms(lambda: big.sum(), repeats)
+    return Limits(gflops, big.numel() * big.element_size() / ms / 1e6)
+
+
+def linear_params(config: ModelConfig) -> int:
+    """Parameters of every matmul of a token's forward (the lm_head included, the embedding lookup not)."""
+    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    q = config.num_attention_heads * config.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
+    return per_layer * config.num_hidden_layers + config.vocab_size * h
+
+
+def attention_flops(config: ModelConfig, context: float) -> float:
+    """Scores and weighted values of one query token attending to `context` keys, all layers."""
+    return 4.0 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * context
+
+
+def kv_bytes(config: ModelConfig, tokens: int, element_size: int) -> int:
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * tokens * element_size
+
+
+class OursDecode:
+    """`batch` sequences of `context` tokens each, their blocks interleaved (no sequence is contiguous)."""
+
+    def __init__(self, loaded: LoadedModel, batch: int, context: int, kv_dtype: torch.dtype) -> None:
+        per_seq = -(-context // BLOCK_SIZE)
+        self.model = loaded.model
+        self.caches = allocate_kv_cache(loaded.config, batch * per_seq, BLOCK_SIZE, kv_dtype)
+        for cache in self.caches:
+            cache.normal_()
+        tables = torch.tensor([[seq + batch * k for k in range(per_seq)] for seq in range(batch)])
+        pos = context - 1
+        slots = tables[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        self.batch = ForwardBatch(
+            input_ids=torch.randint(1000, 40000, (batch,)),
+            positions=torch.full((batch,), pos),
+            slot_mapping=slots,
+            query_lens=[1] * batch,
+            seq_lens=[context] * batch,
+            block_tables=tables,
+            logits_indices=torch.arange(batch),
+        )
+
+    def __call__(self) -> torch.Tensor:
+        return self.model(self.batch, self.caches)
+
+
+class OursPrefill:
+    def __init__(self, loaded: LoadedModel, length: int, kv_dtype: torch.dtype) -> None:
+        blocks = -(-length // BLOCK_SIZE)
+        self.model = loaded.model
+        self.caches = allocate_kv_cache(loaded.config, blocks, BLOCK_SIZE, kv_dtype)
+        self.batch = ForwardBatch(
+            input_ids=torch.randint(1000, 40000, (length,)),
+            positions=torch.arange(length),
+            slot_mapping=torch.arange(length),
+            query_lens=[length],
+            seq_lens=[length],
+            block_tables=torch.arange(blocks)[None, :],
+            logits_indices=torch.tensor([length - 1]),
+        )
+
+    def __call__(self) -> torch.Tensor:
+        return self.model(self.batch, self.caches)
+
+
+def transformers_model(loaded: LoadedModel) -> torch.nn.Module:
+    """transformers' Llama on exactly our dequantized weights (so both compute the same function)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = loaded.config
+    hf_config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config)
+    state = {name: t for name, t in loaded.model.state_dict().items()}
+    if c.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    rotary = model.model.rotary_emb
+    rotary.inv_freq = rotary.original_inv_freq = loaded.model.model.inv_freq.clone()
+    return model.eval()
+
+
+class HFDecode:
+    """One decode token per sequence after `context - 1` cached tokens; the cache is cropped back after each
+    step so every step sees the same context, as ours does."""
+
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, batch: int, context: int,
+                 dtype: torch.dtype) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.context = model, context
+        self.cache = DynamicCache(config=model.config)
+        shape = (batch, config.num_key_value_heads, context - 1, config.head_dim)
+        for layer in range(config.num_hidden_layers):
+            self.cache.update(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), layer)
+        self.input_ids = torch.randint(1000, 40000, (batch, 1))
+        self.position_ids = torch.full((batch, 1), context - 1)
+
+    @torch.inference_mode()
+    def __call__(self) -> torch.Tensor:
+        out = self.model(input_ids=self.input_ids, position_ids=self.position_ids, past_key_values=self.cache,
+                         use_cache=True)
+        self.cache.crop(-1)  # back to `context - 1` tokens
+        return out.logits
+
+
+class HFPrefill:
+    def __init__(self, model: torch.nn.Module, length: int) -> None:
+        self.model = model
+        self.input_ids = torch.randint(1000, 40000, (1, length))
+
+    @torch.inference_mode()
+    def __call__(self) -> torch.Tensor:
+        return self.model(input_ids=self.input_ids, use_cache=True, logits_to_keep=1).logits
+
+
+def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
+    loaded = load_model(None, dtype=dtype)
+    config = loaded.config
+    kv_dtype = DTYPES[args.kv_dtype] if args.kv_dtype else loaded.dtype
+    weight_bytes = linear_params(config) * DTYPES[dtype].itemsize
+    hf = transformers_model(loaded) if args.hf else None
+    rows = []
+    for batch in args.batches:
+        ours = OursDecode(loaded, batch, args.context, kv_dtype)
+        fns: list[Callable[[], object]] = [ours]
+        if hf is not None:
+            fns.append(HFDecode(hf, config, batch, args.context, loaded.dtype))
+        times = interleaved_ms(fns, args.repeats)
+        flops = batch * (2.0 * linear_params(config) + attention_flops(config, args.context))
+        read = weight_bytes + kv_bytes(config, batch * args.context, kv_dtype.itemsize)
+        rows.append(Row("decode", dtype, batch, batch, times[0], times[1] if hf else None, flops, read))
+        del ours, fns
+    if args.prefill:
+        fns = [OursPrefill(loaded, args.prefill, kv_dtype)]
+        if hf is not None:
+            fns.append(HFPrefill(hf, args.prefill))
+        times = interleaved_ms(fns, max(3, args.repeats // 2), warmup=1)
+        # The lm_head runs for the last token only; causal attention sees (L + 1) / 2 keys on average.
+        lm_head = config.vocab_size * config.hidden_size
+        flops = args.prefill * (2.0 * (linear_params(config) - lm_head)
+                                + attention_flops(config, (args.prefill + 1) / 2)) + 2.0 * lm_head
+        rows.append(Row("prefill", dtype, 1, args.prefill, times[0], times[1] if hf else None, flops,
+                        weight_bytes + kv_bytes(config, args.prefill, kv_dtype.itemsize)))
+    return rows
+
+
+def format_table(rows: list[Row], limits: Limits, context: int) -> str:
+    head = (f"{'case':<22}{'dtype':<10}{'ours tok/s':>11}{'hf tok/s':>10}{'ours/hf':>9}{'ours ms':>9}"
+            f"{'hf ms':>9}{'MFU':>7}{'BW util':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        label = f"decode b={r.batch} ctx={context}" if r.case == "decode" else f"prefill {r.tokens}"
+        ours, hf = r.tokens_per_s(r.ours_ms), r.tokens_per_s(r.hf_ms)
+        mfu = r.flops_per_step / (r.ours_ms * 1e-3) / (limits.matmul_gflops[r.dtype] * 1e9)
+        bw = r.bytes_per_step / (limits.read_gbps * 1e9) / (r.ours_ms * 1e-3)
+        hf_s = f"{hf:>10.1f}{ours / hf:>9.2f}" if hf else f"{'-':>10}{'-':>9}"
+        hf_ms = f"{r.hf_ms:>9.1f}" if r.hf_ms else f"{'-':>9}"
+        bw_s = f"{bw:>9.0%}" if r.case == "decode" else f"{'-':>9}"
+        lines.append(f"{label:<22}{r.dtype:<10}{ours:>11.1f}{hf_s}{r.ours_ms:>9.1f}{hf_ms}{mfu:>7.0%}{bw_s}")
+    peaks = ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in limits.matmul_gflops.items())
+    lines.append(f"machine: matmul {peaks}; read bandwidth {limits.read_gbps:.1f} GB/s; "
+                 f"{torch.get_num_threads()} threads")
+    lines.append("MFU = model FLOPs per step / step time / matmul peak of the dtype; BW util = (weights + KV "
+                 "read per step) / bandwidth / step time")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    p.add_argument("--kv-dtype", choices=sorted(DTYPES), help="KV cache dtype (default: the model's)")
+    p.add_argument("--batches", default="1,16,64", help="decode batch sizes, comma-separated")
+    p.add_argument("--context", type=int, default=256, help="tokens of context of each decode sequence")
+    p.add_argument("--prefill", type=int, default=512, help="prompt length of the prefill case (0: none)")
+    p.add_argument("--repeats", type=int, default=9, help="timed repetitions per case (median reported)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
+    p.add_argument("--quick", action="store_true", help="bfloat16 only, 3 repetitions")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.dtypes, args.repeats = "bfloat16", 3
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown:
+        p.error(f"unknown dtype {', '.join(unknown)}; choose among {', '.join(DTYPES)}")
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    limits = measure_limits(sorted({"float32", "bfloat16", *args.dtypes}), max(5, args.repeats))
+    rows = [row for dtype in args.dtypes for row in bench_dtype(dtype, args)]
+    print(format_table(rows, limits, args.context))
+    if args.json:
+        result = {"limits": asdict(limits), "context": args.context, "threads": torch.get_num_threads(),
+                  "rows": [{**asdict(r), "ours_tokens_per_s": r.tokens_per_s(r.ours_ms),
+                            "hf_tokens_per_s": r.tokens_per_s(r.hf_ms)} for r in rows]}
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The engine core: scheduler + executor behind a ZMQ busy loop, run in a process of its own.
+
+The loop is receive → schedule → execute → postprocess → send. With no request pending it blocks on the
+input socket (a poll without timeout), so an idle server costs no CPU.
+
+Shutdown follows a small state machine: RUNNING → REQUESTED (a `Shutdown` message arrived; new requests
+are refused, running ones may finish until the deadline) → SHUTTING_DOWN (what is left is aborted, the
+executor stopped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import sys
+import time
+import traceback
+
+import zmq
+
+from gracelm.config import EngineConfig
+from gracelm.engine import messages as msg
+from gracelm.engine.request import Request
+from gracelm.engine.scheduler import Scheduler, SchedulerConfig
+from gracelm.parallel.executor import Executor
+
+logger = logging.getLogger(__name__)
+
+EXIT_FATAL = 1
+EXIT_STARTUP_FAILURE = 3
+# How long the core's last messages (final outputs, a fatal error report) may wait for the frontend.
+_SEND_LINGER_MS = 2000
+
+
+class CoreState(enum.Enum):
+    RUNNING = "running"
+    REQUESTED = "requested"
+    SHUTTING_DOWN = "shutting_down"
+
+
+class EngineCore:
+    """Loads the model, sizes the KV cache and runs steps; knows nothing of sockets."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = Executor(config)
+        try:
+            loaded = self.executor.load_model()
+            self.model_name = loaded.name
+            self.model_config = loaded.config
+            self.max_model_len, num_blocks = self._size_kv_cache()
+            self.executor.init_kv_cache(num_blocks)
+            self.scheduler = Scheduler(SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ))
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.num_blocks = num_blocks
+        self.num_preemptions = 0
+        self.state = CoreState.RUNNING
+        logger.info("engine core ready: %s, max_model_len %d, %d KV blocks of %d tokens", self.model_name,
+                    self.max_model_len, num_blocks, config.block_size)
+
+    def _size_kv_cache(self) -> tuple[int, int]:
+        """max_model_len and the number of KV blocks; a clear error when not even one request fits."""
+        block_size = self.config.block_size
+        model_limit = self.model_config.max_position_embeddings
+        requested = self.config.max_model_len
+        if requested is not None and requested > model_limit:
+            raise ValueError(f"max_model_len {requested} exceeds the model's limit of {model_limit} tokens "
+                             f"(max_position_embeddings)")
+        available = self.executor.available_kv_blocks()
+        capacity = available * block_size
+        if requested is None:
+            max_model_len = min(model_limit, capacity)
+            if max_model_len < model_limit:
+                logger.warning("max_model_len capped to %d tokens, what the KV cache holds", max_model_len)
+        else:
+            max_model_len = requested
+        needed = -(-max_model_len // block_size)
+        if max_model_len < 1 or needed > available:
+            raise ValueError(
+                f"not enough KV-cache memory: {available} blocks ({capacity} tokens) fit, one request of "
+                f"max_model_len {max_model_len} tokens needs {needed} blocks; raise kv_cache_memory or lower "
+                f"max_model_len")
+        # Never more blocks than max_num_seqs full-length requests can use: the rest would be idle memory.
+        useful = needed * self.config.max_num_seqs
+        return max_model_len, min(available, useful)
+
+    def add_request(self, add: msg.AddRequest) -> list[msg.TokenOutput]:
+        """Queues the request; returns an abort output for it when it is refused."""
+        if self.state is not CoreState.RUNNING:
+            return [msg.TokenOutput(add.request_id, None, "abort")]
+        request = Request(add.request_id, add.prompt_token_ids, add.sampling_params,
+                          tuple(add.eos_token_ids), add.arrival_time)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as e:
+            # The frontend validates first; this is a last line of defence, not a crash of the core.
+            logger.warning("request %s refused: %s", add.request_id, e)
+            return [msg.TokenOutput(add.request_id, None, "abort")]
+        return []
+
+    def abort_requests(self, request_ids: list[str]) -> list[msg.TokenOutput]:
+        aborted = self.scheduler.abort_requests(request_ids)
+        self.executor.release_requests(aborted)
+        return [msg.TokenOutput(request_id, None, "abort") for request_id in aborted]
+
+    def abort_all(self) -> list[msg.TokenOutput]:
+        pending = [*self.scheduler.running, *self.scheduler.waiting]
+        return self.abort_requests([request.request_id for request in pending])
+
+    def step(self) -> list[msg.TokenOutput]:
+        scheduled = self.scheduler.schedule()
+        self.num_preemptions += len(scheduled.preempted_request_ids)
+        if not scheduled.scheduled:
+            return []
+        sampled = self.executor.execute_model(scheduled)
+        updates = self.scheduler.update_from_output(
+            scheduled, {request_id: token.token_id for request_id, token in sampled.items()})
+        outputs = []
+        for update in updates:
+            token = sampled[update.request_id]
+            outputs.append(msg.TokenOutput(update.request_id, update.token_id, update.finish_reason,
+                                           update.stop_reason, token.logprob, token.top_ids,
+                                           token.top_logprobs))
+        self.executor.release_requests([u.request_id for u in updates if u.finished])
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> dict:
+        return {**self.scheduler.stats(), "num_preemptions": self.num_preemptions, "state": self.state.value,
+                "max_model_len": self.max_model_len}
+
+    def shutdown(self) -> None:
+        self.state = CoreState.SHUTTING_DOWN
+        self.executor.shutdown()
+
+
+class EngineCoreProc:
+    """The busy loop of the engine-core process around an `EngineCore` and its two sockets."""
+
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+        self.core = core
+        self.input = input_socket
+        self.output = output_socket
+        self.poller = zmq.Poller()
+        self.poller.register(input_socket, zmq.POLLIN)
+        self._deadline: float | None = None
+        self._utilities = {"stats": core.stats}
+
+    def run(self) -> None:
+        while True:
+            self._receive(block=not self.core.has_unfinished_requests())
+            if self._stop_due():
+                break
+            if self.core.has_unfinished_requests():
+                self._send_outputs(self.core.step())
+        self._send_outputs(self.core.abort_all())
+        self.core.shutdown()
+
+    def _receive(self, block: bool) -> None:
+        # Blocks only when no request is pending (an idle core costs no CPU); otherwise takes what is there.
+        timeout = None if block else 0
+        while self.poller.poll(timeout):
+            self._handle(msg.decode_to_core(self.input.recv(copy=False).buffer))
+            timeout = 0
+
+    def _handle(self, message: msg.ToCore) -> None:
+        if isinstance(message, msg.AddRequest):
+            self._send_outputs(self.core.add_request(message))
+        elif isinstance(message, msg.AbortRequests):
+            self.core.abort_requests(message.request_ids)
+        elif isinstance(message, msg.UtilityCall):
+            self._call_utility(message)
+        elif isinstance(message, msg.Shutdown):
+            self._request_shutdown(message.timeout)
+
+    def _call_utility(self, call: msg.UtilityCall) -> None:
+        method = self._utilities.get(call.method)
+        if method is None:
+            reply = msg.UtilityReply(call.call_id, error=f"unknown utility method {call.method!r}")
+        else:
+            reply = msg.UtilityReply(call.call_id, result=method(*call.args))
+        self.output.send(msg.encode(reply))
+
+    def _request_shutdown(self, timeout: float) -> None:
+        if self.core.state is CoreState.RUNNING:
+            logger.info("engine core: shutdown requested, %.1f s to finish running requests", timeout)
+            self.core.state = CoreState.REQUESTED
+            self._deadline = time.monotonic() + timeout
+
+    def _stop_due(self) -> bool:
+        if self.core.state is not CoreState.REQUESTED:
+            return False
+        assert self._deadline is not None
+        return not self.core.has_unfinished_requests() or time.monotonic() >= self._deadline
+
+    def _send_outputs(self, outputs: list[msg.TokenOutput]) -> None:
+        if outputs:
+            self.output.send(msg.encode(msg.OutputsBatch(outputs)))
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: int) -> None:
+    """Entry point of the engine-core process: handshake, busy loop, and a report of any failure.
+
+    `log_level` is the frontend's, so that the core is as verbose as the process that started it.
+    """
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
+    input_socket.connect(input_address)
+    output_socket.connect(output_address)
+    exit_code = 0
+    try:
+        exit_code = _serve(config, input_socket, output_socket)
+    finally:
+        input_socket.close(linger=0)
+        output_socket.close()
+        context.term()
+    # Everything is released by now; the interpreter's own teardown (torch and friends) would add about
+    # a second to every stop for nothing.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.Socket) -> int:
+    try:
+        core = EngineCore(config)
+    except Exception as e:
+        logger.error("engine core failed to start: %s", e)
+        output_socket.send(msg.encode(msg.StartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc())))
+        return EXIT_STARTUP_FAILURE
+    output_socket.send(msg.encode(msg.Ready(os.getpid(), core.max_model_len, core.num_blocks,
+                                            config.block_size, core.model_name,
+                                            dataclasses.asdict(core.model_config))))
+    try:
+        EngineCoreProc(core, input_socket, output_socket).run()
+    except Exception as e:
+        logger.exception("engine core failed")
+        output_socket.send(msg.encode(msg.FatalError(f"{type(e).__name__}: {e}", traceback.format_exc())))
+        return EXIT_FATAL
+    return 0

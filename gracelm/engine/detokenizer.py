@@ -1,0 +1,117 @@
+"""Incremental detokenization of one completion: text grows token by token, stop strings cut it.
+
+Decoding token by token is wrong for byte-level tokenizers (a multi-byte character may be split across
+tokens) and for tokenizers whose pieces depend on their neighbours (leading spaces). So each step decodes a
+short window of recent tokens twice — without and with the new tokens — and takes the difference; while
+the window ends in an incomplete character (U+FFFD) nothing is emitted and the tokens wait for the next.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens kept as left context, so that the first generated token decodes as it would mid-text.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Text of one completion. `hf_tokenizer` is a transformers (fast) tokenizer.
+
+    `stop` strings end the completion at their first occurrence (even when it spans tokens) and are not
+    part of the text. `stream_delta()` never hands out text that could still turn out to begin a stop
+    string, so a streamed reply never shows a stop string, nor a part of one.
+    """
+
+    def __init__(self, hf_tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self._tok = hf_tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stops = [s for s in (stop or []) if s]
+        self._text = ""
+        self._streamed = 0
+        self.stop_string: str | None = None
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def add_token(self, token_id: int, hidden: bool = False) -> str | None:
+        """Appends one token; returns the stop string it completed, if any (the text is then final).
+
+        A `hidden` token (the EOS or stop token that ended the request) counts but adds no text.
+        """
+        if self.finished:
+            raise RuntimeError("add_token after the completion finished")
+        if hidden:
+            self.finish()
+            return None
+        self._ids.append(token_id)
+        return self._append(self._decode_window(final=False))
+
+    def finish(self) -> None:
+        """Ends the completion: any bytes still waiting to complete a character are emitted as they are."""
+        if self.finished:
+            return
+        if self._read_offset < len(self._ids):
+            self._append(self._decode_window(final=True))
+        self.finished = True
+
+    def stream_delta(self) -> str:
+        """The text produced since the last call that can no longer change."""
+        end = len(self._text) if self.finished else len(self._text) - self._stop_prefix_tail()
+        if end <= self._streamed:
+            return ""
+        delta = self._text[self._streamed:end]
+        self._streamed = end
+        return delta
+
+    def _decode_window(self, final: bool) -> str:
+        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset:])
+        if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and not final):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return after[len(before):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special,
+                                clean_up_tokenization_spaces=False)
+
+    def _append(self, new_text: str) -> str | None:
+        if not new_text:
+            return None
+        start = len(self._text)
+        self._text += new_text
+        hit = self._find_stop(start)
+        if hit is None:
+            return None
+        index, stop = hit
+        self._text = self._text[:index]
+        self.stop_string = stop
+        self.finished = True
+        return stop
+
+    def _find_stop(self, appended_at: int) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            # Only a match that ends in the new text is new; it may begin up to len(stop)-1 chars earlier.
+            index = self._text.find(stop, max(0, appended_at - len(stop) + 1))
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def _stop_prefix_tail(self) -> int:
+        """Length of the longest end of the text that is the beginning of some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
+                if stop.startswith(self._text[-k:]):
+                    longest = k
+                    break
+        return longest

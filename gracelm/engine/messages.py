@@ -1,0 +1,107 @@
+"""Typed messages between the frontend and the engine-core process (msgspec, over ZMQ).
+
+Frontend -> core: `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
+Core -> frontend: `Ready` or `StartupFailed` (the handshake), then `OutputsBatch`, `UtilityReply` and, if the
+core crashes, `FatalError`. Every message is a tagged struct so one decoder reads a whole direction.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from gracelm.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag=True):
+    """Calls a read-only method of the core (e.g. "stats") and gets a `UtilityReply` with the same id."""
+
+    call_id: int
+    method: str
+    args: list = msgspec.field(default_factory=list)
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Stop: let running requests finish for up to `timeout` seconds, then abort the rest and exit."""
+
+    timeout: float
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The core loaded the model and sized its KV cache; it now accepts requests."""
+
+    pid: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    model_name: str
+    model_config: dict  # `ModelConfig` fields
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    error: str
+    traceback: str
+
+
+class TokenOutput(msgspec.Struct, array_like=True):
+    """What one step produced for one request. `finish_reason` is None while it runs.
+
+    `stop_reason` is the stop token id when the request ended on one; logprobs fields are set when the
+    request asked for them: the sampled token's logprob and the top-N alternatives.
+    """
+
+    request_id: str
+    token_id: int | None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    logprob: float | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+class OutputsBatch(msgspec.Struct, tag=True):
+    outputs: list[TokenOutput]
+
+
+class UtilityReply(msgspec.Struct, tag=True):
+    call_id: int
+    result: dict | None = None
+    error: str | None = None
+
+
+class FatalError(msgspec.Struct, tag=True):
+    """The core's busy loop raised; it exits after sending this."""
+
+    error: str
+    traceback: str
+
+
+ToCore = AddRequest | AbortRequests | UtilityCall | Shutdown
+FromCore = Ready | StartupFailed | OutputsBatch | UtilityReply | FatalError
+
+_encoder = msgspec.msgpack.Encoder()
+_to_core_decoder = msgspec.msgpack.Decoder(ToCore)
+_from_core_decoder = msgspec.msgpack.Decoder(FromCore)
+
+
+def encode(message: ToCore | FromCore) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_core(data: bytes) -> ToCore:
+    return _to_core_decoder.decode(data)
+
+
+def decode_from_core(data: bytes) -> FromCore:
+    return _from_core_decoder.decode(data)

@@ -1,0 +1,179 @@
+"""Frontend bookkeeping of in-flight requests: core outputs in, detokenized `RequestOutput`s out.
+
+A request with `n` completions is n core requests (ids `<request_id>/<i>`; seeds `seed + i`), gathered
+back here into one `RequestOutput`. Stop strings are found here, not in the core: a completion that hits
+one is finished at once and its core request must be aborted (`ProcessedOutputs.core_ids_to_abort`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from gracelm.engine import messages as msg
+from gracelm.engine.detokenizer import IncrementalDetokenizer
+from gracelm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from gracelm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Completion:
+    index: int
+    core_id: str
+    detokenizer: IncrementalDetokenizer
+    wants_logprobs: bool
+    text: str = ""  # what has been released to the caller (a possible stop-string start is held back)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            logprobs=list(self.logprobs) if self.wants_logprobs else None,
+            cumulative_logprob=self.cumulative_logprob if self.wants_logprobs else None,
+            stop_reason=self.stop_reason)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[_Completion]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [c.output() for c in self.completions], self.finished, self.metrics)
+
+
+@dataclass
+class ProcessedOutputs:
+    updated: list[RequestState]  # in first-update order; finished ones are no longer tracked
+    core_ids_to_abort: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer  # gracelm.model.tokenizer.Tokenizer
+        self._requests: dict[str, RequestState] = {}
+        self._by_core_id: dict[str, tuple[RequestState, _Completion]] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float | None = None) -> list[msg.AddRequest]:
+        """Tracks a request; returns the core requests to send for it."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.time() if arrival_time is None else arrival_time
+        state = RequestState(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival))
+        adds = []
+        for index in range(params.n):
+            core_id = f"{request_id}/{index}"
+            seed = None if params.seed is None else params.seed + index
+            detokenizer = IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, params.stop)
+            state.completions.append(_Completion(index, core_id, detokenizer, params.logprobs is not None))
+            core_params = msgspec.structs.replace(params, n=1, seed=seed)
+            adds.append(msg.AddRequest(core_id, prompt_token_ids, core_params,
+                                       list(self.tokenizer.eos_token_ids), arrival))
+        self._requests[request_id] = state
+        for add, completion in zip(adds, state.completions, strict=True):
+            self._by_core_id[add.request_id] = (state, completion)
+        return adds
+
+    def process(self, outputs: list[msg.TokenOutput]) -> ProcessedOutputs:
+        updated: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        now = time.time()
+        for out in outputs:
+            entry = self._by_core_id.get(out.request_id)
+            if entry is None:  # aborted here already
+                continue
+            state, completion = entry
+            if self._apply(completion, out):
+                to_abort.append(completion.core_id)
+            if completion.finish_reason is not None:
+                del self._by_core_id[completion.core_id]
+            if out.token_id is not None and state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            updated[state.request_id] = state
+        for state in updated.values():
+            if state.finished:
+                state.metrics.finish_time = now
+                del self._requests[state.request_id]
+        return ProcessedOutputs(list(updated.values()), to_abort)
+
+    def abort(self, request_id: str) -> tuple[RequestState | None, list[str]]:
+        """Finishes every unfinished completion of the request with "abort"; returns the state and the
+        core ids to abort."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None, []
+        core_ids = []
+        for completion in state.completions:
+            if completion.finish_reason is None:
+                self._finish(completion, "abort")
+                del self._by_core_id[completion.core_id]
+                core_ids.append(completion.core_id)
+        state.metrics.finish_time = time.time()
+        return state, core_ids
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def _apply(self, completion: _Completion, out: msg.TokenOutput) -> bool:
+        """Applies one core output; True when a stop string ended the completion here (abort it)."""
+        if out.token_id is None:
+            self._finish(completion, out.finish_reason or "abort")
+            return False
+        completion.token_ids.append(out.token_id)
+        if out.logprob is not None:
+            self._add_logprobs(completion, out)
+        # A "stop" from the core is always a stop token (EOS or stop_token_ids): it adds no text.
+        hidden = out.finish_reason == "stop"
+        stop_string = completion.detokenizer.add_token(out.token_id, hidden=hidden)
+        if stop_string is not None:
+            self._finish(completion, "stop", stop_string)
+            return out.finish_reason is None
+        if out.finish_reason is not None:
+            self._finish(completion, out.finish_reason, out.stop_reason)
+        else:
+            completion.text += completion.detokenizer.stream_delta()
+        return False
+
+    def _add_logprobs(self, completion: _Completion, out: msg.TokenOutput) -> None:
+        assert out.logprob is not None
+        entry = {}
+        for rank, (token_id, logprob) in enumerate(zip(out.top_ids or [], out.top_logprobs or [],
+                                                       strict=True), start=1):
+            entry[token_id] = Logprob(logprob, rank, self._token_text(token_id))
+        if out.token_id not in entry:
+            entry[out.token_id] = Logprob(out.logprob, None, self._token_text(out.token_id))
+        completion.logprobs.append(entry)
+        completion.cumulative_logprob += out.logprob
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
+
+    @staticmethod
+    def _finish(completion: _Completion, reason: str, stop_reason: str | int | None = None) -> None:
+        completion.detokenizer.finish()
+        completion.text += completion.detokenizer.stream_delta()
+        completion.finish_reason = reason
+        completion.stop_reason = stop_reason

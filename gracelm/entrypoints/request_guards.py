@@ -1,0 +1,72 @@
+"""Checks a request passes before any route reads it: the body-size limit (413) and the API key (401)."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gracelm.entrypoints.api_errors import APIError
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware (so streaming and disconnect detection pass through untouched): reads the
+    body up to `limit` bytes, answers 413 beyond it, and replays it to the app."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"the request body exceeds {self.limit} bytes", code="request_too_large",
+                         headers={"Connection": "close"})
+        await error.response()(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def api_key_dependency(api_key: str):
+    """A FastAPI dependency demanding `Authorization: Bearer <api_key>`, compared in constant time."""
+    expected = api_key.encode()
+
+    async def verify(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return verify

@@ -1,0 +1,76 @@
+"""The HTTP server's lifecycle state and its admission of new requests, consulted by every route.
+
+STARTING → RUNNING → DRAINING → STOPPING, and DEAD from anywhere once the engine is gone. Only RUNNING takes
+new work; liveness (`/health`) holds until DEAD, readiness (`/ready`) only while RUNNING.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from gracelm.entrypoints.api_errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class Lifecycle(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    DEAD = "dead"
+
+
+class ServerState:
+    """What the routes consult: the lifecycle state and how many admitted requests still wait to start.
+
+    A request counts as waiting from admission until its first output, i.e. while it queues in the engine;
+    `max_waiting` bounds that queue (None: no bound) so an overloaded server answers 503 at once instead of
+    piling up work it will serve too late.
+    """
+
+    def __init__(self, max_waiting: int | None) -> None:
+        self.lifecycle = Lifecycle.STARTING
+        self.max_waiting = max_waiting
+        self.num_waiting = 0
+
+    def set(self, lifecycle: Lifecycle) -> None:
+        if lifecycle is not self.lifecycle:
+            logger.info("server state %s -> %s", self.lifecycle.value, lifecycle.value)
+            self.lifecycle = lifecycle
+
+    @property
+    def alive(self) -> bool:
+        return self.lifecycle is not Lifecycle.DEAD
+
+    @property
+    def ready(self) -> bool:
+        return self.lifecycle is Lifecycle.RUNNING
+
+    def admit(self) -> Admission:
+        """Admits one request or raises a 503; the caller releases the admission when the request leaves."""
+        if not self.ready:
+            raise APIError(503, f"the server is {self.lifecycle.value} and takes no new requests",
+                           code="server_unavailable", headers={"Retry-After": "1", "Connection": "close"})
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise APIError(503, f"too many waiting requests ({self.num_waiting}); try again later",
+                           code="queue_full", headers={"Retry-After": "1"})
+        return Admission(self)
+
+
+class Admission:
+    """One admitted request's place in the waiting count, held until its first output or its end."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self._waiting = True
+        state.num_waiting += 1
+
+    def started(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self._state.num_waiting -= 1
+
+    def release(self) -> None:
+        self.started()

@@ -1,0 +1,184 @@
+"""Starting and stopping the server's child processes, the one way every child is run.
+
+A child is started with the `spawn` context (no forked copy of the parent's threads, locks or device
+state) and, before its target runs: ignores SIGINT and SIGTERM (the supervisor alone interprets signals —
+Ctrl-C reaches the whole process group), names itself with setproctitle, enables faulthandler, and arms two
+independent ways to die with its parent: `PR_SET_PDEATHSIG` and a death pipe whose write end only the
+parent holds (EOF on it means the parent is gone, whatever killed it).
+
+Stopping is: ask (the caller's stop message) → join with a timeout → SIGTERM (only useful before the
+child's entry has set its signal dispositions) → SIGKILL; then any descendant it left behind is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_TERM_GRACE_S = 0.5
+_KILL_WAIT_S = 5.0
+
+
+class ChildProcess:
+    """A started child: its `multiprocessing` process plus the parent's end of its death pipe."""
+
+    def __init__(self, name: str, process: BaseProcess, death_pipe: Connection) -> None:
+        self.name = name
+        self.process = process
+        self._death_pipe = death_pipe
+        self.outcome: str | None = None  # after stop(): "exited", "terminated" or "killed"
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the child ends (for select/poll)."""
+        return self.process.sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def is_alive(self) -> bool:
+        return self.outcome is None and self.process.is_alive()
+
+    def describe_exit(self, wait: float = 1.0) -> str:
+        """How the child ended, e.g. "EngineCore (pid 7) was killed by SIGKILL". Waits up to `wait` s for
+        the exit status: the sentinel closes a moment before the kernel makes the status available."""
+        self.process.join(wait)
+        code = self.process.exitcode
+        if code is None:
+            return f"{self.name} (pid {self.pid}) is running"
+        if code < 0:
+            return f"{self.name} (pid {self.pid}) was killed by {signal.Signals(-code).name}"
+        return f"{self.name} (pid {self.pid}) exited with code {code}"
+
+    def stop(self, timeout: float) -> str:
+        """Waits up to `timeout` s for the child to exit, then forces it; idempotent. Returns how it ended."""
+        if self.outcome is not None:
+            return self.outcome
+        descendants = _descendants(self.pid)
+        self.process.join(timeout)
+        outcome = "exited"
+        if self.process.is_alive():
+            logger.warning("%s (pid %d) did not exit within %.1f s; sending SIGTERM",
+                           self.name, self.pid, timeout)
+            self.process.terminate()
+            self.process.join(_TERM_GRACE_S)
+            outcome = "terminated"
+        if self.process.is_alive():
+            logger.warning("%s (pid %d) ignored SIGTERM; sending SIGKILL", self.name, self.pid)
+            self.process.kill()
+            self.process.join(_KILL_WAIT_S)
+            outcome = "killed"
+        _kill_leftovers(descendants)
+        self._death_pipe.close()
+        self.outcome = outcome
+        return outcome
+
+
+def start_process(name: str, title: str, target: Callable[..., Any], args: tuple = ()) -> ChildProcess:
+    """Starts `target(*args)` in a spawned child named `title` (e.g. "gracelm::engine-core")."""
+    ctx = mp.get_context("spawn")
+    death_reader, death_writer = ctx.Pipe(duplex=False)
+    # Not a daemon: daemonic processes may not start children of their own (tensor-parallel workers).
+    # PR_SET_PDEATHSIG fires when the *thread* that started the child ends, not the process: arm it only
+    # when that thread is the main one. The death pipe covers the other case.
+    pdeathsig = threading.current_thread() is threading.main_thread()
+    process = ctx.Process(target=_child_main, name=name, daemon=False,
+                          args=(title, os.getpid(), pdeathsig, death_reader, target, args))
+    with _main_module_hidden():
+        process.start()
+    death_reader.close()
+    logger.debug("started %s (pid %d)", name, process.pid)
+    return ChildProcess(name, process, death_writer)
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Keeps `spawn` from re-running the caller's script in the child.
+
+    Spawn re-imports the parent's `__main__` in the child so that functions defined there can be
+    unpickled; our targets all live in gracelm, and re-running a user's script without an
+    `if __name__ == "__main__"` guard would start a second engine from inside the first. So the child is
+    prepared while `__main__` is an empty module.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _child_main(title: str, parent_pid: int, pdeathsig: bool, death_reader: Connection,
+                target: Callable[..., Any], args: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.enable()
+    _set_title(title)
+    _die_with_parent(parent_pid, pdeathsig, death_reader)
+    target(*args)
+
+
+def _set_title(title: str) -> None:
+    import setproctitle
+
+    setproctitle.setproctitle(title)
+
+
+def _die_with_parent(parent_pid: int, pdeathsig: bool, death_reader: Connection) -> None:
+    if pdeathsig:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    # The parent may have died before the prctl above: then we were already re-parented.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=_watch_death_pipe, args=(death_reader,), name="death-pipe", daemon=True).start()
+
+
+def _watch_death_pipe(death_reader: Connection) -> None:
+    try:
+        death_reader.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    # The parent never writes: any return means its end was closed, i.e. the parent is gone.
+    os._exit(1)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _kill_leftovers(processes: list[psutil.Process]) -> None:
+    for proc in processes:
+        try:
+            if proc.is_running():
+                logger.warning("killing leftover descendant pid %d (%s)", proc.pid, proc.name())
+                proc.kill()
+        except psutil.Error:
+            pass

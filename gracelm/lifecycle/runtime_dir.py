@@ -1,0 +1,53 @@
+"""The one directory an instance keeps its ipc sockets (and later pid and metrics files) in.
+
+It is named after the owner's pid — `gracelm-<pid>-<random>` under `$XDG_RUNTIME_DIR` (or the temp dir) —
+so that a directory left behind by a killed instance can be told apart from a live one's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "gracelm-"
+# AF_UNIX paths are limited to 107 bytes; leave room for the socket names inside the directory.
+_MAX_BASE_LEN = 80
+
+
+def runtime_base() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK) and len(base) < _MAX_BASE_LEN:
+        return Path(base)
+    return Path(tempfile.gettempdir())
+
+
+class RuntimeDir:
+    """Created on construction (mode 0700), removed by `remove()`; idempotent."""
+
+    def __init__(self, owner_pid: int | None = None, base: Path | None = None) -> None:
+        self.owner_pid = owner_pid if owner_pid is not None else os.getpid()
+        name = f"{PREFIX}{self.owner_pid}-{secrets.token_hex(4)}"
+        self.path = (base or runtime_base()) / name
+        self.path.mkdir(mode=0o700)
+        self._removed = False
+
+    def ipc_address(self, name: str) -> str:
+        """A ZMQ `ipc://` address for a socket file named `name` inside the directory."""
+        return f"ipc://{self.path / name}"
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self.path.exists():
+            logger.warning("could not remove runtime directory %s", self.path)
+
+    def __repr__(self) -> str:
+        return f"RuntimeDir({str(self.path)!r})"

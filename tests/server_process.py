@@ -1,0 +1,148 @@
+"""A real `gracelm serve` process for tests: started on a free 127.0.0.1 port, waited on until `/ready`, and
+stopped by pid with SIGTERM, after which nothing of it may remain (process, port, runtime directory)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from gracelm.lifecycle.runtime_dir import PREFIX, runtime_base
+
+GRACELM = Path(sys.executable).parent / "gracelm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing listens on the port and a new server could bind it. (Connections the old server closed may
+    linger in TIME_WAIT; SO_REUSEADDR, which servers set, is what lets a new one bind despite them.)"""
+    listening = any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                    for c in psutil.net_connections(kind="tcp"))
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return not listening
+
+
+class ServerProcess:
+    """`with ServerProcess(model, "--api-key", "k") as server:` … `server.url`; `stop()` does the checks."""
+
+    def __init__(self, model: str | Path | None, *args: str, env: dict[str, str] | None = None,
+                 startup_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="gracelm-serve-", suffix=".log", delete=False)
+        command = [str(GRACELM), "serve", *([str(model)] if model is not None else []),
+                   "--port", str(self.port), *args]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
+        self.children: list[psutil.Process] = []
+        self.runtime_dirs: list[Path] = []
+        self.exit_code: int | None = None
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gracelm serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise TimeoutError(f"gracelm serve not ready after {timeout} s:\n{self.log()}")
+        # What must be gone after the stop, captured while it runs.
+        self.children = psutil.Process(self.pid).children(recursive=True)
+        self.runtime_dirs = sorted(runtime_base().glob(f"{PREFIX}{self.pid}-*"))
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then asserts: exit code 0, no process of the server left, its port free, its runtime
+        directory gone. Returns the exit code."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.exit_code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"gracelm serve did not stop within {timeout} s:\n{self.log()}") from None
+        assert self.exit_code == 0, f"exit code {self.exit_code}:\n{self.log()[-5000:]}"
+        self.assert_nothing_left()
+        return self.exit_code
+
+    def assert_nothing_left(self) -> None:
+        _, alive = psutil.wait_procs(self.children, timeout=2)
+        assert not alive, f"processes left behind: {alive}"
+        assert port_is_free(self.port), f"port {self.port} still in use"
+        left = [d for d in self.runtime_dirs if d.exists()]
+        assert not left, f"runtime directories left behind: {left}"
+
+    def kill(self) -> None:
+        """Last resort after a failure: SIGKILL the server and each of its processes, by pid."""
+        procs = list(self.children)
+        if self.process.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True), *procs]
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        self.process.wait(10)
+
+    def close_log(self) -> None:
+        self._log.close()
+        os.unlink(self._log.name)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        try:
+            if exc_type is None:
+                self.stop()
+            else:
+                self.kill()
+        finally:
+            self.close_log()
+
+
+def metric_value(metrics_text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text, matched by name and the labels given."""
+    for line in metrics_text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(m.group(3))
+    raise KeyError(f"no sample {name}{labels} in the metrics")

@@ -1,0 +1,190 @@
+"""Each error `gracelm serve` answers — status, OpenAI-shaped body, `param` — and the server serving on."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_process import GRACELM, ServerProcess, free_port, metric_value
+from tests.tiny_models import make_tiny_model
+
+BODY_LIMIT = 4096
+CONTEXT = 512  # the tiny model's max_position_embeddings
+USER = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
+    # One sequence at a time and one waiting request at most, so a full queue can be made on purpose.
+    with ServerProcess(model, "--served-model-name", "tiny", "--max-num-seqs", "1",
+                       "--max-waiting-requests", "1", "--max-request-body-bytes", str(BODY_LIMIT),
+                       "--stats-interval", "0", "--kv-cache-memory", "16MiB") as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def still_serving(server):
+    yield
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, f"the server stopped serving after the error: {r.text}"
+
+
+def _error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def _chat(server, body: dict | str | bytes, **kwargs) -> httpx.Response:
+    if isinstance(body, dict):
+        return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60, **kwargs)
+    return httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=60,
+                      headers={"Content-Type": "application/json"}, **kwargs)
+
+
+def test_malformed_json(server):
+    _error(_chat(server, b'{"messages": [}'), 400, code="invalid_json")
+    _error(_chat(server, b"[1, 2]"), 400)
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", -1), ("max_tokens", 0), ("temperature", 2.5),
+                                         ("top_p", 0.0), ("n", 0), ("presence_penalty", 3.0),
+                                         ("repetition_penalty", 0.0), ("top_k", -5), ("min_p", 1.5)])
+def test_invalid_sampling_parameters(server, field, value):
+    _error(_chat(server, {"messages": USER, field: value}), 400, param=field, code="invalid_value")
+
+
+def test_wrong_type_names_the_field(server):
+    _error(_chat(server, {"messages": USER, "temperature": "hot"}), 400, param="temperature")
+
+
+def test_top_logprobs_needs_logprobs(server):
+    _error(_chat(server, {"messages": USER, "top_logprobs": 2}), 400, param="top_logprobs")
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([], "messages"),
+    ("hello", "messages"),
+    ([{"content": "no role"}], "messages.0.role"),
+    ([{"role": "wizard", "content": "hi"}], "messages.0.role"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages.0.content"),
+])
+def test_bad_messages(server, messages, param):
+    _error(_chat(server, {"messages": messages}), 400, param=param)
+
+
+def test_prompt_plus_max_tokens_beyond_context(server):
+    error = _error(_chat(server, {"messages": USER, "max_tokens": CONTEXT}), 400, param="max_tokens",
+                   code="context_length_exceeded")
+    assert str(CONTEXT) in error["message"]
+    too_long = httpx.post(f"{server.url}/v1/completions",
+                          json={"prompt": [5] * (CONTEXT + 10), "max_tokens": 1})
+    _error(too_long, 400, code="context_length_exceeded")
+
+
+def test_bad_prompts(server):
+    url = f"{server.url}/v1/completions"
+    _error(httpx.post(url, json={"prompt": [10**6], "max_tokens": 1, "stream": True}), 400, param="prompt")
+    _error(httpx.post(url, json={"prompt": "", "max_tokens": 1}), 400, param="prompt")
+    _error(httpx.post(url, json={"prompt": ["one", "two"], "max_tokens": 1}), 400, param="prompt")
+    _error(httpx.post(url, json={"max_tokens": 1}), 400, param="prompt")
+
+
+def test_unknown_model(server):
+    _error(_chat(server, {"model": "gpt-17", "messages": USER}), 404, param="model", code="model_not_found")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="hi", max_tokens=1)
+
+
+def test_unknown_route_and_method(server):
+    _error(httpx.get(f"{server.url}/v1/nothing"), 404)
+    _error(httpx.get(f"{server.url}/v1/completions"), 405)
+
+
+def test_oversize_body(server):
+    big = {"messages": [{"role": "user", "content": "x" * BODY_LIMIT}]}
+    _error(_chat(server, big), 413, code="request_too_large")
+
+    def chunks():  # no Content-Length: the limit must hold on the bytes actually received
+        for _ in range(BODY_LIMIT // 512 + 2):
+            yield b" " * 512
+
+    _error(_chat(server, chunks()), 413, code="request_too_large")
+
+
+def test_openai_client_gets_bad_request(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=USER, temperature=9)
+    assert info.value.body["param"] == "temperature"
+
+
+def test_full_waiting_queue_answers_503(server):
+    long = {"prompt": "once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as running:
+        lines = running.iter_lines()  # kept referenced: a collected iterator would close the connection
+        assert any(line.startswith("data: ") for line in lines)
+        # The engine runs one sequence at a time: the next request waits, and fills the queue of one.
+        queued: dict[str, httpx.Response] = {}
+        waiter = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=120)))
+        waiter.start()
+        _wait_for_waiting(server, 1)
+        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                             timeout=60)
+        _error(refused, 503, code="queue_full")
+        assert refused.headers["retry-after"]
+    # The long stream's client is gone: its request is aborted and the waiting one runs.
+    waiter.join(120)
+    assert queued["r"].status_code == 200
+
+
+def _wait_for_waiting(server, count: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{server.url}/metrics").text
+        if metric_value(text, "gracelm_num_requests_waiting", model_name="tiny") == count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never saw {count} waiting request(s):\n{text}")
+
+
+def _serve_exit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(GRACELM), "serve", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_usage_error_exits_2():
+    done = _serve_exit("--port", "70000")
+    assert done.returncode == 2, done.stderr
+    assert "port" in done.stderr
+
+
+def test_missing_model_is_a_startup_failure(tmp_path):
+    done = _serve_exit(str(tmp_path / "no-such-model"), "--port", str(free_port()))
+    assert done.returncode == 3, done.stderr
+    assert "start-up failed" in done.stderr and "no-such-model" in done.stderr
+
+
+def test_port_in_use_is_a_startup_failure():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        started = time.monotonic()
+        done = _serve_exit("--port", str(taken.getsockname()[1]))
+    assert done.returncode == 3, done.stderr
+    assert "cannot listen" in done.stderr
+    assert time.monotonic() - started < 30  # refused before any model is loaded
