@@ -110,6 +110,12 @@ class EngineConfig:
     kv_cache_memory: str | int | None = None  # None: a share of free memory
     enable_prefix_caching: bool = True
     shutdown_timeout: float = 30.0
+    drain_grace_period: float = 0.0  # seconds to keep accepting after readiness turns 503
+    engine_hang_timeout: float = 60.0  # no step progress with work pending for this long is fatal; 0: off
+    shutdown_report: str | None = None  # path of the JSON shutdown report
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT of the torch.distributed TCP rendezvous
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # test-only hooks and future options
 
@@ -121,7 +127,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        for name in ("shutdown_timeout", "drain_grace_period", "engine_hang_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr (HOST:PORT) is required when nnodes > 1")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)

@@ -34,6 +34,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="do not reuse the KV cache of identical prompt prefixes")
     group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                        help="seconds running requests may take to finish at a stop (0: abort at once)")
+    group.add_argument("--drain-grace-period", type=float, default=defaults.drain_grace_period,
+                       help="seconds to keep accepting new requests after readiness turns 503 at a stop")
+    group.add_argument("--engine-hang-timeout", type=float, default=defaults.engine_hang_timeout,
+                       help="seconds without step progress, with work pending, before a fatal stop (0: off)")
+    group.add_argument("--shutdown-report", default=None, help="write the shutdown report as JSON here")
+    group.add_argument("--nnodes", type=int, default=defaults.nnodes, help="machines in the parallel group")
+    group.add_argument("--node-rank", type=int, default=defaults.node_rank, help="this machine's rank")
+    group.add_argument("--dist-init-addr", default=None,
+                       help="HOST:PORT of the torch.distributed rendezvous (needed when nnodes > 1)")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed of requests that have none")
 
 
@@ -44,7 +53,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-        shutdown_timeout=args.shutdown_timeout, seed=args.seed,
+        shutdown_timeout=args.shutdown_timeout, drain_grace_period=args.drain_grace_period,
+        engine_hang_timeout=args.engine_hang_timeout, shutdown_report=args.shutdown_report,
+        nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr, seed=args.seed,
     )
 
 

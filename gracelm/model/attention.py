@@ -5,10 +5,12 @@ so that gathering a sequence's blocks (`index_select` on the block dimension) di
 `[kv_heads, tokens, head_dim]` operands of the attention matmuls: no transposing copy of the context.
 A token's slot `block_id * block_size + offset` indexes dim 1 of `cache[i].view(kv_heads, -1, head_dim)`.
 
-The attention math runs in float32 whatever the cache dtype: on CPU, bf16 attention with one query token is
-several times slower than float32 (see DESIGN.md, "Measured on this machine"), and float32 keeps the
-softmax exact. Decode tokens (query length 1) of all sequences go through one batched, masked computation;
-prefill chunks go one sequence at a time through `scaled_dot_product_attention`.
+Decode tokens (query length 1) of all sequences go through one batched, masked computation whose two
+matmuls run in the cache's dtype when it is bfloat16 or float32: oneDNN's bf16 `bmm` at these shapes is
+4-6x faster than float32 and reads the cache without a converting copy, while bf16 products accumulate in
+float32 (only the scores and probabilities are rounded to bf16, as a bf16 model rounds every activation).
+The softmax is computed in float32. Prefill chunks go one sequence at a time through float32
+`scaled_dot_product_attention` (its bf16 kernel is several times slower on CPU, see DESIGN.md).
 """
 
 from __future__ import annotations
@@ -129,28 +131,33 @@ def paged_attention(
     decode = meta.decode
     if decode is not None and decode.rows is None:
         return _decode_attention(q, kv_cache, decode, scale).to(q.dtype)
-    out = torch.empty(meta.num_tokens, num_heads * head_dim, dtype=torch.float32, device=q.device)
+    out = torch.empty(meta.num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     if decode is not None:
         decoded = _decode_attention(q.index_select(0, decode.rows), kv_cache, decode, scale)
-        out.index_copy_(0, decode.rows, decoded)
+        out.index_copy_(0, decode.rows, decoded.to(q.dtype))
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
-    return out.to(q.dtype)
+    return out
 
 
 def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
-    """q [Bd, heads, head_dim] -> [Bd, heads * head_dim] float32: one masked matmul-softmax-matmul for all."""
+    """q [Bd, heads, head_dim] -> [Bd, heads * head_dim] in the matmul dtype: one masked
+    matmul-softmax-matmul for all the sequences."""
     batch, num_heads, head_dim = q.shape
     _, kv_heads, _, block_size, _ = kv_cache.shape
     length = group.blocks_per_seq * block_size
-    kv = kv_cache.index_select(2, group.block_ids).view(2, kv_heads, batch, length, head_dim).float()
-    # GQA without repeating K/V: query head h reads KV head h // group, so group the query heads.
-    queries = q.float().view(batch, kv_heads, num_heads // kv_heads, head_dim).transpose(0, 1)
-    scores = torch.matmul(queries, kv[0].transpose(-1, -2)).mul_(scale).add_(group.mask)
-    out = torch.matmul(scores.softmax(dim=-1), kv[1])  # [kv_heads, Bd, group, head_dim]
+    per_kv = num_heads // kv_heads
+    dtype = kv_cache.dtype if kv_cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    kv = kv_cache.index_select(2, group.block_ids).view(2, kv_heads * batch, length, head_dim).to(dtype)
+    # GQA without repeating K/V: query head h reads KV head h // per_kv, so group the query heads.
+    queries = q.to(dtype).view(batch, kv_heads, per_kv, head_dim).transpose(0, 1)
+    scores = torch.bmm(queries.reshape(kv_heads * batch, per_kv, head_dim), kv[0].transpose(1, 2))
+    scores = scores.view(kv_heads, batch, per_kv, length).float().mul_(scale).add_(group.mask)
+    probs = scores.softmax(dim=-1).to(dtype).view(kv_heads * batch, per_kv, length)
+    out = torch.bmm(probs, kv[1]).view(kv_heads, batch, per_kv, head_dim)
     return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
 
 
