@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import time
@@ -107,8 +108,13 @@ def main() -> None:
     parser.add_argument("--skip-prefix", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="threads of both engines (default: all CPUs; 1 may be faster on a busy machine)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="also run gracelm with this many ranks on the same prompts (its per-step "
+                             "communication time is logged when it stops)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
+    if args.tensor_parallel_size > 1:
+        logging.basicConfig(level=logging.INFO, format="%(processName)s %(name)s: %(message)s")
 
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, args.seed)
     shared = make_prompts(1, args.prefix_len, args.prefix_len, args.seed + 1)[0]
@@ -125,6 +131,14 @@ def main() -> None:
         if not args.skip_prefix:
             results["gracelm_shared_prefix"] = run_gracelm(llm, prefixed, args.output_len)
             report("gracelm, shared prefix, prefix cache on", results["gracelm_shared_prefix"])
+    if args.tensor_parallel_size > 1:
+        with Engine(**engine_args, tensor_parallel_size=args.tensor_parallel_size) as llm:
+            results["gracelm_tp"] = run_gracelm(llm, prompts, args.output_len)
+            report(f"gracelm, tensor parallel {args.tensor_parallel_size}", results["gracelm_tp"])
+        same = agreement(results["gracelm"]["first_tokens"], results["gracelm_tp"]["first_tokens"])
+        print(f"TP={args.tensor_parallel_size} / TP=1: "
+              f"{results['gracelm_tp']['tokens_per_s'] / results['gracelm']['tokens_per_s']:.2f}x; "
+              f"first 8 greedy tokens identical for {same:.0%} of prompts")
     if not args.skip_prefix:
         with Engine(**engine_args, enable_prefix_caching=False) as llm:
             results["gracelm_shared_prefix_nocache"] = run_gracelm(llm, prefixed, args.output_len)

@@ -23,7 +23,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 class ServerMetrics:
     """The server's metrics: request counters and latencies observed here, engine gauges read at scrape."""
 
-    def __init__(self, directory: Path, model_name: str, lifecycle_states: tuple[str, ...]) -> None:
+    def __init__(self, directory: Path, model_name: str, lifecycle_states: tuple[str, ...],
+                 core_states: tuple[str, ...] = ()) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=False)
         os.environ[_ENV] = str(directory)
@@ -34,6 +35,7 @@ class ServerMetrics:
         label = {"model_name": model_name}
         self._label = label
         self._states = lifecycle_states
+        self._core_states = core_states
         # Plain running totals of this process, for the periodic stats log line's throughput.
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
 
@@ -49,6 +51,9 @@ class ServerMetrics:
                                      "Prefix-cache hits over queries since start (0..1).")
         self.lifecycle = gauge("gracelm_lifecycle_state", "1 for the server's current lifecycle state.",
                                ("state",))
+        self.core_state = gauge("gracelm_engine_core_state",
+                                "1 for the engine core's shutdown state (running, requested, shutting_down).",
+                                ("state",))
         self.prompt_tokens = Counter("gracelm_prompt_tokens", "Prompt tokens processed.", [*label],
                                      registry=None)
         self.generation_tokens = Counter("gracelm_generation_tokens", "Tokens generated.", [*label],
@@ -73,6 +78,7 @@ class ServerMetrics:
         self.kv_usage.labels(**self._label).set(stats["kv_usage"])
         self.kv_total.labels(**self._label).set(stats["kv_blocks_total"])
         self.kv_free.labels(**self._label).set(stats["kv_blocks_free"])
+        self.set_core_state(stats.get("state"))
         queries = stats.get("prefix_cache_queries", 0)
         self.prefix_hit_rate.labels(**self._label).set(stats.get("prefix_cache_hits", 0) / queries
                                                        if queries else 0.0)
@@ -80,6 +86,11 @@ class ServerMetrics:
     def set_lifecycle(self, state: str) -> None:
         for name in self._states:
             self.lifecycle.labels(**self._label, state=name).set(1.0 if name == state else 0.0)
+
+    def set_core_state(self, state: str | None) -> None:
+        """`None`: the core is gone; no state is 1."""
+        for name in self._core_states:
+            self.core_state.labels(**self._label, state=name).set(1.0 if name == state else 0.0)
 
     def request_tracker(self, num_prompt_tokens: int) -> RequestTracker:
         return RequestTracker(self, num_prompt_tokens)

@@ -1,9 +1,11 @@
-"""A real `gracelm serve` process for tests: started on a free 127.0.0.1 port, waited on until `/ready`, and
-stopped by pid with SIGTERM, after which nothing of it may remain (process, port, runtime directory)."""
+"""A real `gracelm serve` process for tests: started on a free 127.0.0.1 port in a session of its own (so a
+test may signal its whole process group), waited on until `/ready`, and stopped by pid with SIGTERM, after
+which nothing of it may remain (process, port, runtime directory, shared-memory segment)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -11,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,22 +49,23 @@ class ServerProcess:
     """`with ServerProcess(model, "--api-key", "k") as server:` … `server.url`; `stop()` does the checks."""
 
     def __init__(self, model: str | Path | None, *args: str, env: dict[str, str] | None = None,
-                 startup_timeout: float = 180.0) -> None:
+                 startup_timeout: float = 180.0, wait_ready: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="gracelm-serve-", suffix=".log", delete=False)
         command = [str(GRACELM), "serve", *([str(model)] if model is not None else []),
                    "--port", str(self.port), *args]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
+                                        env={**os.environ, **(env or {})}, start_new_session=True)
         self.children: list[psutil.Process] = []
         self.runtime_dirs: list[Path] = []
         self.exit_code: int | None = None
-        try:
-            self._wait_ready(startup_timeout)
-        except BaseException:
-            self.kill()
-            raise
+        if wait_ready:
+            try:
+                self._wait_ready(startup_timeout)
+            except BaseException:
+                self.kill()
+                raise
 
     @property
     def pid(self) -> int:
@@ -83,19 +87,27 @@ class ServerProcess:
             time.sleep(0.2)
         else:
             raise TimeoutError(f"gracelm serve not ready after {timeout} s:\n{self.log()}")
-        # What must be gone after the stop, captured while it runs.
+        self.capture()
+
+    def capture(self) -> None:
+        """Records what must be gone after the stop (children, runtime directories), while it runs."""
         self.children = psutil.Process(self.pid).children(recursive=True)
         self.runtime_dirs = sorted(runtime_base().glob(f"{PREFIX}{self.pid}-*"))
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        """Waits for the server to exit on its own; returns (and records) its exit code."""
+        try:
+            self.exit_code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"gracelm serve did not exit within {timeout} s:\n{self.log()}") from None
+        return self.exit_code
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, then asserts: exit code 0, no process of the server left, its port free, its runtime
         directory gone. Returns the exit code."""
         self.process.send_signal(signal.SIGTERM)
-        try:
-            self.exit_code = self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"gracelm serve did not stop within {timeout} s:\n{self.log()}") from None
+        self.wait_exit(timeout)
         assert self.exit_code == 0, f"exit code {self.exit_code}:\n{self.log()[-5000:]}"
         self.assert_nothing_left()
         return self.exit_code
@@ -105,7 +117,10 @@ class ServerProcess:
         assert not alive, f"processes left behind: {alive}"
         assert port_is_free(self.port), f"port {self.port} still in use"
         left = [d for d in self.runtime_dirs if d.exists()]
+        left += list(runtime_base().glob(f"{PREFIX}{self.pid}-*"))
         assert not left, f"runtime directories left behind: {left}"
+        segments = list(Path("/dev/shm").glob(f"{PREFIX}{self.pid}-*"))
+        assert not segments, f"shared-memory segments left behind: {segments}"
 
     def kill(self) -> None:
         """Last resort after a failure: SIGKILL the server and each of its processes, by pid."""
@@ -146,3 +161,64 @@ def metric_value(metrics_text: str, name: str, **labels: str) -> float:
         if all(found.get(k) == v for k, v in labels.items()):
             return float(m.group(3))
     raise KeyError(f"no sample {name}{labels} in the metrics")
+
+
+class Stream:
+    """One streaming completion read in a thread of its own: `events` (the SSE data payloads, `[DONE]`
+    included), `started` once the first token arrived, `ended_at` (monotonic) once it ended."""
+
+    def __init__(self, url: str, max_tokens: int, prompt: str = "the cat") -> None:
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        self._first = threading.Event()
+        body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: "):])
+                        self._first.set()
+        except BaseException as e:  # noqa: BLE001 - reported to the test through `error`
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+            self._first.set()
+
+    def wait_started(self, timeout: float = 60) -> None:
+        assert self._first.wait(timeout), "the stream never started"
+
+    def join(self, timeout: float = 120) -> Stream:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the stream did not end"
+        return self
+
+    @property
+    def payloads(self) -> list[dict]:
+        return [json.loads(e) for e in self.events if e != "[DONE]"]
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        choices = [c for p in self.payloads for c in p.get("choices", [])]
+        return [c["finish_reason"] for c in choices if c.get("finish_reason")]
+
+    @property
+    def completion_tokens(self) -> int | None:
+        usage = [p["usage"] for p in self.payloads if p.get("usage")]
+        return usage[-1]["completion_tokens"] if usage else None
+
+    @property
+    def errors(self) -> list[dict]:
+        return [p["error"] for p in self.payloads if "error" in p]
+
+
+def start_streams(url: str, count: int, max_tokens: int) -> list[Stream]:
+    streams = [Stream(url, max_tokens) for _ in range(count)]
+    for stream in streams:
+        stream.wait_started()
+    return streams

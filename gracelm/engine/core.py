@@ -5,7 +5,18 @@ input socket (a poll without timeout), so an idle server costs no CPU.
 
 Shutdown follows a small state machine: RUNNING → REQUESTED (a `Shutdown` message arrived; new requests
 are refused, running ones may finish until the deadline) → SHUTTING_DOWN (what is left is aborted, the
-executor stopped).
+executor stopped). With a timeout of 0 the deadline is now: everything is aborted at once. A later
+`Shutdown` may only bring the deadline closer (an immediate stop during a drain). Each transition is logged
+and the state is part of `stats()`, which the server exposes in `/metrics`.
+
+Failure reporting: a loop that raises sends `FatalError` with its traceback, closes its sockets and then
+sends SIGQUIT to its parent when the parent handles that signal (the server's supervisor does; a user's
+program running the offline `Engine` may not, and the default action of SIGQUIT would kill it).
+
+Test-only hooks, read from `EngineConfig.extra` (never set them in production): `test_slow_load_s` sleeps
+before the model loads, `test_step_sleep_s` slows every step (so that requests stay in flight for a known
+time), `test_raise_after_steps` and `test_hang_after_steps` make the loop raise or hang once that many steps
+have run.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import dataclasses
 import enum
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -24,12 +36,13 @@ from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
 from gracelm.engine.request import Request
 from gracelm.engine.scheduler import Scheduler, SchedulerConfig
+from gracelm.lifecycle.exit_codes import ExitCode
+from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
+from gracelm.lifecycle.stacks import catches_signal
+from gracelm.lifecycle.watchdog import Heartbeat
 from gracelm.parallel.executor import Executor
 
 logger = logging.getLogger(__name__)
-
-EXIT_FATAL = 1
-EXIT_STARTUP_FAILURE = 3
 # How long the core's last messages (final outputs, a fatal error report) may wait for the frontend.
 _SEND_LINGER_MS = 2000
 
@@ -142,32 +155,58 @@ class EngineCore:
         return {**self.scheduler.stats(), "num_preemptions": self.num_preemptions, "state": self.state.value,
                 "max_model_len": self.max_model_len}
 
-    def shutdown(self) -> None:
-        self.state = CoreState.SHUTTING_DOWN
-        self.executor.shutdown()
+    def set_state(self, state: CoreState) -> None:
+        if state is not self.state:
+            logger.info("engine core state %s -> %s", self.state.value, state.value)
+            self.state = state
 
 
 class EngineCoreProc:
     """The busy loop of the engine-core process around an `EngineCore` and its two sockets."""
 
-    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket,
+                 heartbeat: Heartbeat) -> None:
         self.core = core
         self.input = input_socket
         self.output = output_socket
+        self.heartbeat = heartbeat
         self.poller = zmq.Poller()
         self.poller.register(input_socket, zmq.POLLIN)
         self._deadline: float | None = None
         self._utilities = {"stats": core.stats}
+        self._steps = 0
+        self._raise_after = core.config.extra.get("test_raise_after_steps")
+        self._hang_after = core.config.extra.get("test_hang_after_steps")
+        self._step_sleep = core.config.extra.get("test_step_sleep_s")
 
     def run(self) -> None:
+        """Serves until a `Shutdown`'s deadline passes or nothing is left to finish; then aborts the rest."""
         while True:
-            self._receive(block=not self.core.has_unfinished_requests())
+            # Once a stop is requested, never block: with nothing left to finish, the loop must end now.
+            self._receive(block=not self.core.has_unfinished_requests()
+                          and self.core.state is CoreState.RUNNING)
             if self._stop_due():
                 break
-            if self.core.has_unfinished_requests():
+            pending = self.core.has_unfinished_requests()
+            self.heartbeat.beat(pending)
+            if pending:
                 self._send_outputs(self.core.step())
+                self._steps += 1
+                self._test_hooks()
+                self.heartbeat.beat(self.core.has_unfinished_requests())
+        self.core.set_state(CoreState.SHUTTING_DOWN)
         self._send_outputs(self.core.abort_all())
-        self.core.shutdown()
+        self.heartbeat.beat(False)
+
+    def _test_hooks(self) -> None:
+        if self._step_sleep:
+            time.sleep(self._step_sleep)
+        if self._raise_after is not None and self._steps >= self._raise_after:
+            raise RuntimeError(f"failure injected by the test hook after {self._steps} steps")
+        if self._hang_after is not None and self._steps >= self._hang_after:
+            logger.warning("hanging on purpose (test hook) after %d steps", self._steps)
+            while True:
+                time.sleep(3600)
 
     def _receive(self, block: bool) -> None:
         # Blocks only when no request is pending (an idle core costs no CPU); otherwise takes what is there.
@@ -195,10 +234,14 @@ class EngineCoreProc:
         self.output.send(msg.encode(reply))
 
     def _request_shutdown(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         if self.core.state is CoreState.RUNNING:
             logger.info("engine core: shutdown requested, %.1f s to finish running requests", timeout)
-            self.core.state = CoreState.REQUESTED
-            self._deadline = time.monotonic() + timeout
+            self.core.set_state(CoreState.REQUESTED)
+            self._deadline = deadline
+        elif self._deadline is not None and deadline < self._deadline:
+            logger.info("engine core: shutdown deadline brought forward to %.1f s from now", timeout)
+            self._deadline = deadline
 
     def _stop_due(self) -> bool:
         if self.core.state is not CoreState.REQUESTED:
@@ -211,7 +254,8 @@ class EngineCoreProc:
             self.output.send(msg.encode(msg.OutputsBatch(outputs)))
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: int) -> None:
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, heartbeat_path: str,
+                    log_level: int) -> None:
     """Entry point of the engine-core process: handshake, busy loop, and a report of any failure.
 
     `log_level` is the frontend's, so that the core is as verbose as the process that started it.
@@ -224,13 +268,17 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     output_socket.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
     input_socket.connect(input_address)
     output_socket.connect(output_address)
-    exit_code = 0
+    heartbeat = Heartbeat.open(heartbeat_path)
+    exit_code = ExitCode.FATAL
     try:
-        exit_code = _serve(config, input_socket, output_socket)
+        exit_code = _serve(config, input_socket, output_socket, heartbeat)
     finally:
+        heartbeat.close()
         input_socket.close(linger=0)
         output_socket.close()
         context.term()
+    if exit_code is ExitCode.FATAL:
+        _signal_parent()
     # Everything is released by now; the interpreter's own teardown (torch and friends) would add about
     # a second to every stop for nothing.
     logging.shutdown()
@@ -239,20 +287,43 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     os._exit(exit_code)
 
 
-def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.Socket) -> int:
+def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.Socket,
+           heartbeat: Heartbeat) -> ExitCode:
+    slow_load = config.extra.get("test_slow_load_s")
+    if slow_load:
+        logger.warning("delaying the model load by %.1f s (test hook)", slow_load)
+        time.sleep(slow_load)
     try:
         core = EngineCore(config)
     except Exception as e:
         logger.error("engine core failed to start: %s", e)
         output_socket.send(msg.encode(msg.StartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc())))
-        return EXIT_STARTUP_FAILURE
+        return ExitCode.STARTUP_FAILURE
+    # The executor releases the model, the KV cache and any tensor-parallel workers with a ledger of its
+    # own; its itemised report goes into the core's, so the supervisor's report shows each of them.
+    ledger = Ledger()
+    executor_reports: list[ShutdownReport] = []
+    ledger.acquire(ResourceKind.MODEL, f"engine core: executor of {core.model_name}",
+                   lambda: executor_reports.append(core.executor.shutdown()), timeout=30)
     output_socket.send(msg.encode(msg.Ready(os.getpid(), core.max_model_len, core.num_blocks,
                                             config.block_size, core.model_name,
                                             dataclasses.asdict(core.model_config))))
     try:
-        EngineCoreProc(core, input_socket, output_socket).run()
+        EngineCoreProc(core, input_socket, output_socket, heartbeat).run()
     except Exception as e:
         logger.exception("engine core failed")
         output_socket.send(msg.encode(msg.FatalError(f"{type(e).__name__}: {e}", traceback.format_exc())))
-        return EXIT_FATAL
-    return 0
+        ledger.release_all()
+        return ExitCode.FATAL
+    report = ledger.release_all()
+    resources = [r for part in (*executor_reports, report) for r in part.to_dict()["resources"]]
+    output_socket.send(msg.encode(msg.Stopped(resources)))
+    return ExitCode.CLEAN_STOP
+
+
+def _signal_parent() -> None:
+    """SIGQUIT to the supervisor after a fatal error (its report went first), so that it stops at once even
+    if it is not reading the channel; only to a parent that handles SIGQUIT, which would otherwise kill it."""
+    parent = os.getppid()
+    if parent > 1 and catches_signal(parent, signal.SIGQUIT):
+        os.kill(parent, signal.SIGQUIT)

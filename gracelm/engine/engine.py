@@ -2,6 +2,15 @@
 
 Both run the same frontend — tokenize, validate, fan out `n`, detokenize — in the caller's process, and
 the model in an engine-core process of their own (`EngineCoreClient`).
+
+Lifecycle: every resource is recorded in a `Ledger` (the engine's own, or the server's when it passes one)
+and `shutdown()` — explicit, from the context manager, at garbage collection or at interpreter exit, once
+whichever comes first — releases them newest first and returns the shutdown report (logged as a table and,
+with `shutdown_report=PATH`, written as JSON). Two watcher threads supervise the core: one wakes on its
+process sentinel the moment it dies, one reads its heartbeat and calls a hang after `engine_hang_timeout`
+seconds without a step while work is pending (stacks dumped first). Either calls `on_fatal(reason)`; the
+default logs it, and every later call raises `EngineDeadError`. The offline `Engine` installs no signal
+handler: Ctrl-C in `generate()` is the user's `KeyboardInterrupt`, and the requests are aborted on its way.
 """
 
 from __future__ import annotations
@@ -12,8 +21,9 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,13 +36,22 @@ from gracelm.engine.core_client import EngineCoreClient
 from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.output_processor import OutputProcessor
 from gracelm.engine.outputs import RequestOutput
+from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
+from gracelm.lifecycle.stacks import request_stack_dumps
+from gracelm.lifecycle.watchdog import HangWatchdog, ProcessSentinelWatch, describe_exit
 from gracelm.model.tokenizer import Tokenizer
+from gracelm.parallel.sharding import check_parallel_config
 from gracelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
+FatalHandler = Callable[[str], None]
+# After asking a hung core for its stacks, how long to give it to write them before it is killed.
+_HANG_DUMP_WAIT_S = 0.5
+# A core declared dead (hung, or reported a fatal error) gets this long to exit before it is forced.
+_DEAD_CORE_WAIT_S = 0.5
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:
@@ -57,17 +76,29 @@ def load_tokenizer(model: str | None) -> Tokenizer:
 class _Frontend:
     """What both engines share: the core client, the tokenizer, validation and output processing."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, ledger: Ledger | None = None,
+                 on_fatal: FatalHandler | None = None) -> None:
+        self._ledger = ledger if ledger is not None else Ledger()
+        self._on_fatal = on_fatal
+        self._fatal_reason: str | None = None
+        self._lock = threading.Lock()
+        self._shut_down = False
+        check_parallel_config(config)  # an unsplittable model is refused before any process starts
         # The tokenizer loads here while the core loads the weights; a core start-up failure wins, as it
         # names the cause from the process that tried.
         with ThreadPoolExecutor(1, thread_name_prefix="gracelm-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, config.model)
-            self._client = EngineCoreClient(config)
+            self._client = EngineCoreClient(config, self._ledger)
             try:
                 self.tokenizer: Tokenizer = tokenizer.result()
             except BaseException:
                 self._client.shutdown(timeout=0)
                 raise
+        try:
+            self._start_watchers(config)
+        except BaseException:
+            self._client.shutdown(timeout=0)
+            raise
         ready = self._client.ready
         self.config = dataclasses.replace(config, max_model_len=ready.max_model_len)
         fields = dict(ready.model_config)
@@ -75,14 +106,70 @@ class _Frontend:
         self.model_config = ModelConfig(**fields)
         self.model_name = ready.model_name
         self._processor = OutputProcessor(self.tokenizer)
-        self._lock = threading.Lock()
-        self._shut_down = False
         # Stop the core when the engine is garbage-collected or, at the latest, at interpreter exit. The
         # atexit hook is registered here, after multiprocessing's own (which joins every child and would
         # wait for ever on a running core), so that it runs first. Neither holds on to the engine.
-        self._finalizer = weakref.finalize(self, self._client.shutdown, config.shutdown_timeout)
+        self._finalizer = weakref.finalize(self, _stop, self._client, config.shutdown_timeout,
+                                           config.shutdown_report)
         self._finalizer.atexit = False
-        atexit.register(self._client.shutdown, config.shutdown_timeout)
+        atexit.register(self._finalizer)
+
+    def _start_watchers(self, config: EngineConfig) -> None:
+        """The sentinel watch and the hang watchdog; they hold the engine weakly, so that it can still be
+        garbage-collected while they run."""
+        ref = weakref.ref(self)
+
+        def on_exit(name: str, pid: int, exitcode: int | None) -> None:
+            engine = ref()
+            if engine is not None:
+                engine._on_core_exit_seen(name, pid, exitcode)
+
+        def on_hang(pid: int, stalled: float) -> None:
+            engine = ref()
+            if engine is not None:
+                engine._on_hang(pid, stalled)
+
+        assert self._client.process is not None
+        watch = ProcessSentinelWatch(on_exit)
+        watch.watch(self._client.process)
+        watch.start()
+        self._ledger.acquire(ResourceKind.THREAD, "child sentinel watch", watch.stop, timeout=2)
+        hang = HangWatchdog(self._client.heartbeat, config.engine_hang_timeout, on_hang)
+        hang.start()
+        if config.engine_hang_timeout > 0:
+            self._ledger.acquire(ResourceKind.THREAD, f"hang watchdog ({config.engine_hang_timeout:g} s)",
+                                 hang.stop, timeout=2)
+
+    def _on_core_exit_seen(self, name: str, pid: int, exitcode: int | None) -> None:
+        if self._shut_down or (self._client.stop_requested and exitcode == 0):
+            return
+        self._fatal(describe_exit("engine core", pid, exitcode))
+
+    def _on_hang(self, pid: int, stalled: float) -> None:
+        request_stack_dumps([pid])
+        time.sleep(_HANG_DUMP_WAIT_S)  # the dump is written by the hung process itself
+        self._fatal(f"engine core pid {pid} hung: no step finished for {stalled:.1f} s with work pending")
+
+    def declare_failed(self, reason: str) -> None:
+        """The owner learnt of a failure of the core by other means (a SIGQUIT with its report)."""
+        self._fatal(reason)
+
+    def _fatal(self, reason: str) -> None:
+        """A failure of the core seen by a watcher (from its thread): once, mark it dead, tell the caller."""
+        with self._lock:
+            if self._fatal_reason is not None or self._shut_down:
+                return
+            self._fatal_reason = reason
+        self._client.mark_dead(reason)
+        self._client.set_stop_wait(_DEAD_CORE_WAIT_S)
+        self._on_core_failed(reason)
+        if self._on_fatal is not None:
+            self._on_fatal(reason)
+        else:
+            logger.error("engine failed: %s; its calls now raise EngineDeadError", reason)
+
+    def _on_core_failed(self, reason: str) -> None:
+        """What the engine itself does when its core failed; runs on a watcher thread."""
 
     @property
     def runtime_dir(self) -> Path:
@@ -120,16 +207,23 @@ class _Frontend:
     def is_running(self) -> bool:
         return not self._shut_down and self._client.is_alive
 
-    def shutdown(self, timeout: float | None = None) -> None:
+    def shutdown(self, timeout: float | None = None) -> ShutdownReport:
         """Stops the engine core (letting running requests finish for up to `timeout` s, by default the
-        configured `shutdown_timeout`) and releases everything; idempotent and thread-safe."""
+        configured `shutdown_timeout`) and releases everything; idempotent and thread-safe. Returns the
+        shutdown report (the same one on every call)."""
         with self._lock:
-            if self._shut_down:
-                return
+            first = not self._shut_down
             self._shut_down = True
+        if not first:
+            return self._ledger.release_all()
         self._finalizer.detach()
-        atexit.unregister(self._client.shutdown)
-        self._client.shutdown(self.config.shutdown_timeout if timeout is None else timeout)
+        atexit.unregister(self._finalizer)
+        return _stop(self._client, self.config.shutdown_timeout if timeout is None else timeout,
+                     self.config.shutdown_report)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
 
     def __enter__(self):
         return self
@@ -147,17 +241,17 @@ class Engine(_Frontend):
     def __init__(self, model: str | None = None, *, dtype: str = "auto", tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: str | int | None = None, shutdown_timeout: float = 30.0,
-                 **kwargs: Any) -> None:
+                 on_fatal: FatalHandler | None = None, **kwargs: Any) -> None:
         super().__init__(EngineConfig(
             model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory=kv_cache_memory, shutdown_timeout=shutdown_timeout, **kwargs))
+            kv_cache_memory=kv_cache_memory, shutdown_timeout=shutdown_timeout, **kwargs), on_fatal=on_fatal)
         self._request_ids = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
+    def from_config(cls, config: EngineConfig, *, on_fatal: FatalHandler | None = None) -> Engine:
         engine = cls.__new__(cls)
-        _Frontend.__init__(engine, config)
+        _Frontend.__init__(engine, config, on_fatal=on_fatal)
         engine._request_ids = itertools.count()
         return engine
 
@@ -282,25 +376,29 @@ class AsyncEngine(_Frontend):
     def __init__(self, model: str | None = None, *, dtype: str = "auto", tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: str | int | None = None, shutdown_timeout: float = 30.0,
-                 **kwargs: Any) -> None:
+                 on_fatal: FatalHandler | None = None, **kwargs: Any) -> None:
         self._init_async(EngineConfig(
             model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory=kv_cache_memory, shutdown_timeout=shutdown_timeout, **kwargs))
+            kv_cache_memory=kv_cache_memory, shutdown_timeout=shutdown_timeout, **kwargs), None, on_fatal)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+    def from_config(cls, config: EngineConfig, *, ledger: Ledger | None = None,
+                    on_fatal: FatalHandler | None = None) -> AsyncEngine:
+        """`ledger`: record the engine's resources in the caller's (the server's), whose release then
+        stops the engine too."""
         engine = cls.__new__(cls)
-        engine._init_async(config)
+        engine._init_async(config, ledger, on_fatal)
         return engine
 
-    def _init_async(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def _init_async(self, config: EngineConfig, ledger: Ledger | None, on_fatal: FatalHandler | None) -> None:
+        # Set before the watchers start: a failure they report may come at once.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead_error: EngineDeadError | None = None
+        super().__init__(config, ledger, on_fatal)
         self._streams: dict[str, _Stream] = {}
         self._utility_calls: dict[int, asyncio.Future] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._output_task: asyncio.Task | None = None
-        self._dead_error: EngineDeadError | None = None
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -347,16 +445,33 @@ class AsyncEngine(_Frontend):
     def dead_error(self) -> EngineDeadError | None:
         return self._dead_error
 
-    def shutdown(self, timeout: float | None = None) -> None:
+    def begin_shutdown(self, timeout: float) -> None:
+        """Starts the engine core's drain and returns at once: it takes no new request, finishes the running
+        ones within `timeout` s and aborts the rest, whose streams get `finish_reason="abort"`; outputs keep
+        flowing meanwhile. A second call may only shorten the deadline (0: abort now)."""
+        self._client.request_stop(timeout)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._client.stop_requested
+
+    @property
+    def core_stopped(self) -> bool:
+        """The core has exited (after `begin_shutdown`, once its drain is over)."""
+        process = self._client.process
+        return process is None or process.exitcode is not None
+
+    def shutdown(self, timeout: float | None = None) -> ShutdownReport:
         """Stops the core; streams still open get a last output with `finish_reason="abort"`."""
-        if self._shut_down:
-            return
-        self._stop_output_loop()
-        for request_id in list(self._streams):
-            state, _ = self._processor.abort(request_id)
-            if state is not None:
-                self._streams[request_id].put(state.output())
-        super().shutdown(timeout)
+        if not self._shut_down:
+            self._stop_output_loop()
+            self._end_streams()
+        return super().shutdown(timeout)
+
+    def _on_core_failed(self, reason: str) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._fail, EngineDeadError(f"engine core failed: {reason}"))
 
     def _check_usable(self) -> None:
         if self._dead_error is not None:
@@ -379,6 +494,8 @@ class AsyncEngine(_Frontend):
         self._loop = asyncio.get_running_loop()
         self._client.watch_process(self._loop, self._on_core_exit)
         self._output_task = self._loop.create_task(self._output_loop(), name="gracelm-engine-outputs")
+        self._ledger.acquire(ResourceKind.TASK, "asyncio task gracelm-engine-outputs", self._stop_output_loop,
+                             inline=True)
 
     def _stop_output_loop(self) -> None:
         loop, task = self._loop, self._output_task
@@ -427,8 +544,23 @@ class AsyncEngine(_Frontend):
         # What the core sent before it died is delivered first.
         for message in self._client.drain_nowait():
             self._handle(message)
+        # The sentinel closes a moment before the exit status can be read.
+        if self._client.stop_requested and self._client.wait_exit(1.0) and self._client.process.exitcode == 0:
+            self._end_streams()  # the drain is over: its last outputs came above
+            for future in self._utility_calls.values():
+                if not future.done():
+                    future.set_exception(EngineDeadError("the engine core has stopped"))
+            self._utility_calls.clear()
+            return
         reason = self._client.dead_reason or self._client.process_exit_description()
         self._fail(EngineDeadError(f"engine core died: {reason}"))
+
+    def _end_streams(self) -> None:
+        """Each stream still open gets a last output with `finish_reason="abort"`."""
+        for request_id in list(self._streams):
+            state, _ = self._processor.abort(request_id)
+            if state is not None:
+                self._streams[request_id].put(state.output())
 
     def _fail(self, error: EngineDeadError) -> None:
         if self._dead_error is not None:
@@ -443,6 +575,22 @@ class AsyncEngine(_Frontend):
             if not future.done():
                 future.set_exception(error)
         self._utility_calls.clear()
+
+
+def _stop(client: EngineCoreClient, timeout: float, report_path: str | None) -> ShutdownReport:
+    """Stops the core and releases every resource of the ledger; logs the report and writes it as JSON.
+    A module function, so that the finalizer and the atexit hook hold the client, never the engine."""
+    client.shutdown(timeout)
+    report = client.ledger.release_all()
+    if client.core_report and not any(r in report.resources for r in client.core_report):
+        # What the core released itself (the model, the KV cache) goes right before the core process.
+        at = next((i for i, r in enumerate(report.resources) if r.kind is ResourceKind.PROCESS),
+                  len(report.resources))
+        report.resources[at:at] = client.core_report
+    logger.info("shutdown report:\n%s", report.as_table())
+    if report_path:
+        report.to_json(report_path)
+    return report
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

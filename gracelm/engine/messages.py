@@ -1,8 +1,9 @@
 """Typed messages between the frontend and the engine-core process (msgspec, over ZMQ).
 
 Frontend -> core: `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
-Core -> frontend: `Ready` or `StartupFailed` (the handshake), then `OutputsBatch`, `UtilityReply` and, if the
-core crashes, `FatalError`. Every message is a tagged struct so one decoder reads a whole direction.
+Core -> frontend: `Ready` or `StartupFailed` (the handshake), then `OutputsBatch`, `UtilityReply` and, at the
+end, `Stopped` (what the core released, for the shutdown report) or, if the core crashes, `FatalError`.
+Every message is a tagged struct so one decoder reads a whole direction.
 """
 
 from __future__ import annotations
@@ -87,8 +88,14 @@ class FatalError(msgspec.Struct, tag=True):
     traceback: str
 
 
+class Stopped(msgspec.Struct, tag=True):
+    """The core stopped on request; `resources` are its shutdown-report entries (`ResourceReport` dicts)."""
+
+    resources: list[dict]
+
+
 ToCore = AddRequest | AbortRequests | UtilityCall | Shutdown
-FromCore = Ready | StartupFailed | OutputsBatch | UtilityReply | FatalError
+FromCore = Ready | StartupFailed | OutputsBatch | UtilityReply | FatalError | Stopped
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core_decoder = msgspec.msgpack.Decoder(ToCore)

@@ -1,10 +1,10 @@
 """`gracelm serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of an `AsyncEngine`.
 
-Exit codes, for supervisors (systemd, Kubernetes) to tell a crash from a stop:
-    0  clean stop (SIGTERM / SIGINT)
-    1  fatal failure while serving (the engine died)
-    2  usage error (bad command line or option values)
-    3  start-up failure (port in use, model not loadable, engine core failed to start)
+This process is the supervisor: its `SignalHandler` is installed before anything else starts (a stop during
+start-up abandons it), the `Supervisor` acts on signals and failures and runs the drain, and every resource
+is recorded in one `Ledger` whose release at the end gives the shutdown report (logged; `--shutdown-report`
+writes it as JSON). Exit codes are `ExitCode`'s: 0 clean stop, 1 fatal failure, 2 usage error, 3 start-up
+failure.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import contextlib
 import importlib.metadata
 import logging
 import os
-import signal
 import socket
 from collections.abc import AsyncIterator, Iterator
+from multiprocessing import resource_tracker
 
 import pydantic
 import uvicorn
@@ -26,20 +26,22 @@ from fastapi.responses import JSONResponse, Response
 
 from gracelm.engine.errors import EngineDeadError
 from gracelm.entrypoints.api_errors import from_validation_error, install_error_handlers
-from gracelm.entrypoints.cli import EXIT_FATAL, EXIT_OK, EXIT_STARTUP, EXIT_USAGE, engine_config_from_args
+from gracelm.entrypoints.cli import engine_config_from_args
 from gracelm.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gracelm.entrypoints.request_guards import BodySizeLimit, api_key_dependency
 from gracelm.entrypoints.server_state import Lifecycle, ServerState
 from gracelm.entrypoints.serving_chat import ServingChat
 from gracelm.entrypoints.serving_completion import ServingCompletion
 from gracelm.entrypoints.stats_logger import log_stats_forever
+from gracelm.lifecycle.exit_codes import ExitCode
+from gracelm.lifecycle.ledger import Ledger, ResourceKind
+from gracelm.lifecycle.signals import SignalHandler, SignalPolicy, StartupInterrupted
+from gracelm.lifecycle.supervisor import Supervisor
 from gracelm.metrics import ServerMetrics
 
 logger = logging.getLogger("gracelm.server")
 
 API_KEY_ENV = "GRACELM_API_KEY"
-_ENGINE_WATCH_INTERVAL_S = 0.2
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,25 +78,28 @@ class ServerSettings(pydantic.BaseModel):
         return cls(**fields)
 
 
-def build_app(engine, settings: ServerSettings, state: ServerState, metrics: ServerMetrics) -> FastAPI:
+def build_app(engine, settings: ServerSettings, state: ServerState, metrics: ServerMetrics,
+              ledger: Ledger) -> FastAPI:
     """The FastAPI app serving `engine`; its lifespan moves `state` to RUNNING and back to STOPPING."""
     model_name = settings.served_model_name or engine.model_name
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(_watch_engine(engine, state), name="engine-watch")]
+        tasks = []
         if settings.stats_interval > 0:
-            tasks.append(asyncio.create_task(log_stats_forever(engine, metrics, settings.stats_interval),
-                                             name="stats-logger"))
+            task = asyncio.create_task(log_stats_forever(engine, metrics, settings.stats_interval),
+                                       name="stats-logger")
+            tasks.append((task, ledger.acquire(ResourceKind.TASK, "asyncio task stats-logger", task.cancel,
+                                               inline=True)))
         state.set(Lifecycle.RUNNING)
         try:
             yield
         finally:
             if state.alive:
                 state.set(Lifecycle.STOPPING)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for _, handle in tasks:
+                ledger.release(handle)
+            await asyncio.gather(*(task for task, _ in tasks), return_exceptions=True)
 
     app = FastAPI(title="gracelm", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -119,6 +124,8 @@ def build_app(engine, settings: ServerSettings, state: ServerState, metrics: Ser
             # The engine may die while we ask; the scrape still answers, with the lifecycle state saying so.
             with contextlib.suppress(EngineDeadError):
                 metrics.set_engine_stats(await engine.stats())
+        else:
+            metrics.set_core_state(None)
         metrics.set_lifecycle(state.lifecycle.value)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
@@ -154,17 +161,10 @@ async def _parse(raw_request: Request, model: type[pydantic.BaseModel]):
         raise from_validation_error(exc) from None
 
 
-async def _watch_engine(engine, state: ServerState) -> None:
-    """Turns the state DEAD as soon as the engine is gone, so /health says so and the server stops."""
-    while not _engine_dead(engine):
-        await asyncio.sleep(_ENGINE_WATCH_INTERVAL_S)
-    logger.error("the engine died; stopping the server")
-    state.set(Lifecycle.DEAD)
-
-
 def _engine_dead(engine) -> bool:
-    # A core that reported a fatal error may not have exited yet: its report counts as death already.
-    return engine.errored or engine.dead_error is not None
+    # A core that reported a fatal error may not have exited yet: its report counts as death already. A
+    # core that exited at the end of a drain is not dead: it was told to stop.
+    return engine.dead_error is not None or (engine.errored and not engine.stop_requested)
 
 
 def _version() -> str:
@@ -182,12 +182,12 @@ def run_server(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
     except (ValueError, pydantic.ValidationError) as exc:
         logger.error("invalid options: %s", exc)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     try:
         sock = _bind(settings.host, settings.port)
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
-        return EXIT_STARTUP
+        return ExitCode.STARTUP_FAILURE
     with sock:
         return asyncio.run(_serve(config, settings, sock))
 
@@ -216,89 +216,79 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _serve(config, settings: ServerSettings, sock: socket.socket) -> int:
+async def _serve(config, settings: ServerSettings, sock: socket.socket) -> ExitCode:
+    from gracelm.engine.core import CoreState
     from gracelm.engine.engine import AsyncEngine
 
     state = ServerState(settings.max_waiting_requests)
+    supervisor = Supervisor(state, config.shutdown_timeout, config.drain_grace_period)
+    ledger = Ledger()
+    signals = SignalHandler(supervisor, SignalPolicy(fatal_report=lambda: _fatal_report(supervisor)))
+    # Installed before anything starts, and restored (inline: main thread, inside the loop) last of all.
+    signals.install(asyncio.get_running_loop())
+    ledger.acquire(ResourceKind.SIGNAL_HANDLERS, "SIGTERM SIGINT SIGQUIT SIGUSR1", signals.uninstall,
+                   inline=True)
+    host, port = sock.getsockname()[:2]
+    ledger.acquire(ResourceKind.SOCKET, f"listener {host}:{port}", sock.close)
     try:
-        with _interrupt_on_sigterm():
-            engine = AsyncEngine.from_config(config)
-    except KeyboardInterrupt:
-        logger.info("start-up abandoned: stop requested while the engine was starting")
-        return EXIT_OK
+        with signals.abandoning_startup():
+            _record_resource_tracker(ledger)
+            engine = AsyncEngine.from_config(config, ledger=ledger, on_fatal=supervisor.on_engine_fatal)
+    except StartupInterrupted as interrupt:
+        logger.info("start-up abandoned: %s received while the engine was starting", interrupt.signal.name)
+        _finish(ledger.release_all(), config.shutdown_report)
+        return ExitCode.CLEAN_STOP
     except Exception as exc:
         logger.error("start-up failed: %s", exc)
-        return EXIT_STARTUP
-    metrics: ServerMetrics | None = None
-    server: _Server | None = None
+        _finish(ledger.release_all(), config.shutdown_report)
+        return ExitCode.STARTUP_FAILURE
+    supervisor.engine = engine
     try:
-        # The engine owns the instance's runtime directory (a public accessor is pending); metrics live in it.
-        metrics = ServerMetrics(engine._client.runtime_dir.path / "prometheus",
+        metrics = ServerMetrics(engine.runtime_dir / "prometheus",
                                 settings.served_model_name or engine.model_name,
-                                tuple(s.value for s in Lifecycle))
-        server = _Server(uvicorn.Config(build_app(engine, settings, state, metrics), log_config=None,
+                                tuple(s.value for s in Lifecycle), tuple(s.value for s in CoreState))
+        ledger.acquire(ResourceKind.DIRECTORY, f"prometheus dir {metrics.directory}", metrics.close)
+        server = _Server(uvicorn.Config(build_app(engine, settings, state, metrics, ledger), log_config=None,
                                         timeout_graceful_shutdown=5))
-        host, port = sock.getsockname()[:2]
+        supervisor.server = server
         logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
-        with _stop_signals(server):
-            stop_on_death = asyncio.create_task(_stop_when_dead(state, server))
-            await server.serve(sockets=[sock])
-            stop_on_death.cancel()
-        return EXIT_OK if state.alive else EXIT_FATAL
+        await server.serve(sockets=[sock])
+        if not state.alive:
+            supervisor.fail(state.lifecycle.value)  # a route saw the engine die before a watcher did
     finally:
-        if metrics is not None:
-            metrics.close()
-        # A forced stop (a second signal) gives the engine no time to let requests finish either.
-        engine.shutdown(timeout=0 if server is not None and server.force_exit else None)
+        # The drain is over (or was cut short): the core has nothing left to finish.
+        engine.shutdown(timeout=0)
+    return supervisor.exit_code
+
+
+def _fatal_report(supervisor: Supervisor) -> str | None:
+    """On SIGQUIT: the child's fatal report if it has been read, or the failure already known."""
+    engine = supervisor.engine
+    if supervisor.failure is not None:
+        return supervisor.failure
+    if engine is not None and engine.dead_error is not None:
+        return str(engine.dead_error)
+    return None
+
+
+def _record_resource_tracker(ledger: Ledger) -> None:
+    """multiprocessing's resource tracker (started by the first spawn) is a child of this process too."""
+    resource_tracker.ensure_running()
+    tracker = resource_tracker._resource_tracker
+    ledger.acquire(ResourceKind.PROCESS, f"multiprocessing resource tracker pid {tracker._pid}",
+                   tracker._stop)
+
+
+def _finish(report, path: str | None) -> None:
+    logger.info("shutdown report:\n%s", report.as_table())
+    if path:
+        report.to_json(path)
 
 
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: it re-raises a caught signal once it has stopped, which
-    would kill this process before the engine is shut down. `_stop_signals` asks it to stop instead."""
+    would kill this process before the engine is shut down. The supervisor asks it to stop instead."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-@contextlib.contextmanager
-def _stop_signals(server: uvicorn.Server) -> Iterator[None]:
-    """SIGTERM / SIGINT stop the server; a second one forces the stop."""
-    loop = asyncio.get_running_loop()
-
-    def on_signal(sig: signal.Signals) -> None:
-        if server.should_exit:
-            logger.warning("%s again: forcing the stop", sig.name)
-            server.force_exit = True
-        else:
-            logger.info("%s received: stopping", sig.name)
-            server.should_exit = True
-
-    for sig in _STOP_SIGNALS:
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        yield
-    finally:
-        for sig in _STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
-
-
-@contextlib.contextmanager
-def _interrupt_on_sigterm() -> Iterator[None]:
-    """While the engine starts (blocking the loop), SIGTERM interrupts it like Ctrl-C does, so the start
-    is abandoned and what it made so far is cleaned up."""
-
-    def interrupt(signum: int, _frame) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-async def _stop_when_dead(state: ServerState, server: uvicorn.Server) -> None:
-    while state.alive:
-        await asyncio.sleep(_ENGINE_WATCH_INTERVAL_S)
-    server.should_exit = True

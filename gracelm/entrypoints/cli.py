@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import sys
 
 from gracelm.config import EngineConfig
+from gracelm.lifecycle.exit_codes import ExitCode
 
-EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_STARTUP = 0, 1, 2, 3
+# TEST-ONLY: a JSON object merged into `EngineConfig.extra`, for the lifecycle tests to inject failures into a
+# real server (`test_slow_load_s`, `test_raise_after_steps`, `test_hang_after_steps`; see engine/core.py).
+# Never set it in production.
+TEST_HOOKS_ENV = "GRACELM_TEST_HOOKS"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +62,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         shutdown_timeout=args.shutdown_timeout, drain_grace_period=args.drain_grace_period,
         engine_hang_timeout=args.engine_hang_timeout, shutdown_report=args.shutdown_report,
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr, seed=args.seed,
+        extra=_test_hooks(),
     )
+
+
+def _test_hooks() -> dict:
+    text = os.environ.get(TEST_HOOKS_ENV)
+    if not text:
+        return {}
+    try:
+        hooks = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{TEST_HOOKS_ENV} is not valid JSON: {e}") from None
+    if not isinstance(hooks, dict):
+        raise ValueError(f"{TEST_HOOKS_ENV} must be a JSON object")
+    logging.getLogger(__name__).warning("test-only hooks active: %s", hooks)
+    return hooks
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,22 +101,22 @@ def run_generate(args: argparse.Namespace) -> int:
                                 stop=args.stop)
     except ValueError as e:
         print(f"gracelm generate: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     try:
         engine = AsyncEngine.from_config(config)
     except Exception as e:
         print(f"gracelm generate: the engine failed to start: {e}", file=sys.stderr)
-        return EXIT_STARTUP
+        return ExitCode.STARTUP_FAILURE
     try:
         prompt = (engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
                   if args.chat else args.prompt)
         asyncio.run(_stream(engine, prompt, params))
     except ValueError as e:
         print(f"gracelm generate: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     finally:
         engine.shutdown(timeout=0)
-    return EXIT_OK
+    return ExitCode.CLEAN_STOP
 
 
 async def _stream(engine, prompt: str | list[int], params) -> None:
@@ -110,9 +131,23 @@ async def _stream(engine, prompt: str | list[int], params) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if args.nnodes > 1 and args.node_rank > 0:
+        return _run_headless(args)
     from gracelm.entrypoints.api_server import run_server
 
     return run_server(args)
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    """A node other than node 0 serves no HTTP: it runs its tensor-parallel worker ranks for node 0."""
+    from gracelm.parallel.headless import run_headless
+
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"gracelm serve: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    return run_headless(config)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

@@ -1,7 +1,9 @@
 """The HTTP server's lifecycle state and its admission of new requests, consulted by every route.
 
-STARTING → RUNNING → DRAINING → STOPPING, and DEAD from anywhere once the engine is gone. Only RUNNING takes
-new work; liveness (`/health`) holds until DEAD, readiness (`/ready`) only while RUNNING.
+STARTING → RUNNING → DRAINING → STOPPING, and DEAD from anywhere once the engine is gone. RUNNING takes new
+work, and so does DRAINING during its grace period (`accepting`, for load balancers to notice the readiness
+change); liveness (`/health`) holds until DEAD, readiness (`/ready`) only while RUNNING. `num_active` counts
+the admitted requests not yet answered, which the drain waits for.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class ServerState:
         self.lifecycle = Lifecycle.STARTING
         self.max_waiting = max_waiting
         self.num_waiting = 0
+        self.num_active = 0
+        self.accepting = True  # during DRAINING: still within the grace period
 
     def set(self, lifecycle: Lifecycle) -> None:
         if lifecycle is not self.lifecycle:
@@ -50,7 +54,7 @@ class ServerState:
 
     def admit(self) -> Admission:
         """Admits one request or raises a 503; the caller releases the admission when the request leaves."""
-        if not self.ready:
+        if not (self.ready or (self.lifecycle is Lifecycle.DRAINING and self.accepting)):
             raise APIError(503, f"the server is {self.lifecycle.value} and takes no new requests",
                            code="server_unavailable", headers={"Retry-After": "1", "Connection": "close"})
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
@@ -65,7 +69,9 @@ class Admission:
     def __init__(self, state: ServerState) -> None:
         self._state = state
         self._waiting = True
+        self._active = True
         state.num_waiting += 1
+        state.num_active += 1
 
     def started(self) -> None:
         if self._waiting:
@@ -74,3 +80,6 @@ class Admission:
 
     def release(self) -> None:
         self.started()
+        if self._active:
+            self._active = False
+            self._state.num_active -= 1

@@ -4,7 +4,9 @@ A child is started with the `spawn` context (no forked copy of the parent's thre
 state) and, before its target runs: ignores SIGINT and SIGTERM (the supervisor alone interprets signals —
 Ctrl-C reaches the whole process group), names itself with setproctitle, enables faulthandler, and arms two
 independent ways to die with its parent: `PR_SET_PDEATHSIG` and a death pipe whose write end only the
-parent holds (EOF on it means the parent is gone, whatever killed it).
+parent holds (EOF on it means the parent is gone, whatever killed it). SIGUSR1 dumps its stacks (faulthandler)
+and it carries on. The stop signals are blocked while the child starts, so that none reaches it before its
+dispositions are set.
 
 Stopping is: ask (the caller's stop message) → join with a timeout → SIGTERM (only useful before the
 child's entry has set its signal dispositions) → SIGKILL; then any descendant it left behind is killed.
@@ -28,6 +30,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psutil
+
+from gracelm.lifecycle.signals import signals_blocked_for_child, unblock_child_signals
+from gracelm.lifecycle.stacks import install_child_stack_dump
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +112,9 @@ def start_process(name: str, title: str, target: Callable[..., Any], args: tuple
     pdeathsig = threading.current_thread() is threading.main_thread()
     process = ctx.Process(target=_child_main, name=name, daemon=False,
                           args=(title, os.getpid(), pdeathsig, death_reader, target, args))
-    with _main_module_hidden():
+    # Blocked across the start, the child inherits SIGINT/SIGTERM/SIGUSR1 deferred until its entry has set
+    # their dispositions: a Ctrl-C while it imports torch must not kill it.
+    with _main_module_hidden(), signals_blocked_for_child():
         process.start()
     death_reader.close()
     logger.debug("started %s (pid %d)", name, process.pid)
@@ -136,6 +143,8 @@ def _child_main(title: str, parent_pid: int, pdeathsig: bool, death_reader: Conn
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.enable()
+    install_child_stack_dump()
+    unblock_child_signals()
     _set_title(title)
     _die_with_parent(parent_pid, pdeathsig, death_reader)
     target(*args)

@@ -1,44 +1,185 @@
-"""What the engine core calls to run the model: one worker in-process now, a group of ranks later.
+"""What the engine core calls to run the model: rank 0 in-process, and with tensor parallelism the other
+ranks in worker processes (`WorkerGroup`).
 
-With tensor parallelism, rank 0 stays in the engine core and the executor broadcasts each step to worker
-processes for ranks 1..N-1; the engine core's view — load, size the cache, execute, release, shut down —
-does not change.
+The engine core's view — load, size the cache, execute, release, shut down — is the same for any size.
+With N > 1: a model whose heads do not divide by N is refused before any process starts; rank 0 decides
+the number of KV blocks (the smallest that every rank can hold) and tells the workers; each step is sent
+to the workers before rank 0 runs its own shard, and only rank 0 samples.
+
+A worker's death surfaces as `WorkerDiedError` naming the rank and how it ended: raised by the step that
+meets it (a collective fails when a peer is gone), by any wait on the workers, and, when the core is idle,
+in the engine core's main thread itself — the monitor interrupts it with SIGUSR2, whose handler raises —
+so the core's fatal path runs within a fraction of a second in every case.
+
+Every resource is in a ledger; `shutdown()` releases them newest first and returns the report, rank 0's
+entries followed by each worker's own teardown (KV cache, model, process group).
 """
 
 from __future__ import annotations
 
+import logging
+import signal
+import threading
+import time
+
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.engine.scheduler import SchedulerOutput
+from gracelm.lifecycle.ledger import Ledger, Outcome, ResourceKind, ResourceReport, ShutdownReport
 from gracelm.model.loader import LoadedModel
-from gracelm.parallel.worker import SampledToken, Worker
+from gracelm.parallel import messages as m
+from gracelm.parallel.distributed import (
+    BACKEND,
+    RENDEZVOUS_TIMEOUT_S,
+    Layout,
+    destroy_process_group,
+    init_process_group,
+)
+from gracelm.parallel.sharding import CommTimer, check_parallel_config
+from gracelm.parallel.worker import SampledToken, Worker, build_step_batch
+from gracelm.parallel.worker_group import WorkerDiedError, WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+_INTERRUPT_SIGNAL = signal.SIGUSR2
+# How long a failed collective may wait for the monitor to name the worker that caused it.
+_DEATH_EXPLAIN_S = 1.5
 
 
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
-        if config.tensor_parallel_size != 1:
-            raise NotImplementedError(
-                f"tensor_parallel_size={config.tensor_parallel_size}: only 1 is supported so far")
         self.config = config
-        self._driver = Worker(config, rank=0)
+        self.layout = Layout.from_config(config)
+        self.ledger = Ledger()
+        self._driver = Worker(config, rank=0, world_size=self.layout.world_size)
+        self._group: WorkerGroup | None = None
+        self._worker_blocks: list[int] = []
+        self._death_raised = False
+        self._stopping = False
+        self._main_thread: int | None = None
+        self._previous_handler = None
+        self.steps = 0
+        self.send_s = 0.0
+        self._timer: CommTimer | None = None  # rank 0's collective time, kept past the model's release
+        if self.layout.world_size > 1:
+            check_parallel_config(config)
+            try:
+                self._start_group()
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def _start_group(self) -> None:
+        world = self.layout.world_size
+        self._install_interrupt()
+        self._group = WorkerGroup(self.config, self.layout, self.ledger, self._on_worker_death)
+        self._group.wait_hellos(RENDEZVOUS_TIMEOUT_S)
+        init_process_group(self._group.store, 0, world)
+        self.ledger.acquire(ResourceKind.PROCESS_GROUP, f"{BACKEND} rank 0/{world}", destroy_process_group)
 
     def load_model(self) -> LoadedModel:
-        return self._driver.load_model()
+        loaded = self._driver.load_model()
+        self.ledger.acquire(ResourceKind.MODEL, f"{loaded.name} rank 0/{self.layout.world_size}",
+                            self._driver.free_model)
+        if self._group is not None:
+            assert self._driver.shard is not None
+            self._timer = self._driver.shard.timer
+            replies = self._group.gather(m.Loaded, RENDEZVOUS_TIMEOUT_S)
+            self._worker_blocks = [reply.available_kv_blocks for reply in replies.values()]
+        return loaded
 
     @property
     def model_config(self) -> ModelConfig:
         return self._driver.model_config
 
     def available_kv_blocks(self) -> int:
-        return self._driver.available_kv_blocks()
+        """What the most constrained rank can hold: every rank's cache has the same number of blocks."""
+        return min([self._driver.available_kv_blocks(), *self._worker_blocks])
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        if self._group is not None:
+            self._group.broadcast(m.InitKVCache(num_blocks))
         self._driver.init_kv_cache(num_blocks)
+        self.ledger.acquire(ResourceKind.KV_CACHE, f"{num_blocks} blocks, rank 0", self._driver.free_kv_cache)
+        if self._group is not None:
+            self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
 
     def execute_model(self, step: SchedulerOutput) -> dict[str, SampledToken]:
-        return self._driver.execute_model(step)
+        batch = build_step_batch(step.scheduled, self.config.block_size)
+        if self._group is None:
+            return self._driver.sample_step(batch, step)
+        started = time.perf_counter()
+        batch.sent_at = time.time()
+        self._group.broadcast(batch)
+        self.send_s += time.perf_counter() - started
+        self.steps += 1
+        try:
+            return self._driver.sample_step(batch, step)
+        except RuntimeError as e:
+            # A collective fails when a peer is gone; say which one, if the monitor can tell.
+            death = self._group.wait_for_death(_DEATH_EXPLAIN_S)
+            if death is None or isinstance(e, WorkerDiedError):
+                raise
+            self._death_raised = True
+            raise death from e
 
     def release_requests(self, request_ids: list[str]) -> None:
         self._driver.release_requests(request_ids)
 
-    def shutdown(self) -> None:
-        self._driver.shutdown()
+    def shutdown(self) -> ShutdownReport:
+        """Stops the workers and frees everything; idempotent. The report lists rank 0's resources, then
+        each worker's own teardown."""
+        self._stopping = True
+        self._uninstall_interrupt()
+        report = self.ledger.release_all()
+        if self._group is None:
+            return report
+        self._log_communication()
+        combined = ShutdownReport(list(report.resources))
+        for rank, stopped in sorted(self._group.reports.items()):
+            combined.resources.extend(_worker_resources(rank, stopped.report))
+        return combined
+
+    def communication_stats(self) -> dict[str, float]:
+        """Per-step communication of this tensor-parallel group so far, in milliseconds."""
+        steps = max(self.steps, 1)
+        collective_s = self._timer.seconds if self._timer is not None else 0.0
+        return {"steps": self.steps, "send_ms_per_step": self.send_s * 1000 / steps,
+                "rank0_collective_ms_per_step": collective_s * 1000 / steps}
+
+    def _log_communication(self) -> None:
+        assert self._group is not None
+        stats = self.communication_stats()
+        for rank, stopped in sorted(self._group.reports.items()):
+            if stopped.steps:
+                stats[f"rank{rank}_receive_ms_per_step"] = stopped.receive_ms / stopped.steps
+                stats[f"rank{rank}_collective_ms_per_step"] = stopped.collective_ms / stopped.steps
+        logger.info("tensor-parallel communication: %s",
+                    ", ".join(f"{key} {value:.3f}" for key, value in stats.items()))
+
+    # -- a worker's death while the core is idle -----------------------------------------------------
+
+    def _install_interrupt(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._main_thread = threading.get_ident()
+            self._previous_handler = signal.signal(_INTERRUPT_SIGNAL, self._raise_death)
+
+    def _uninstall_interrupt(self) -> None:
+        if self._main_thread is not None and threading.get_ident() == self._main_thread:
+            signal.signal(_INTERRUPT_SIGNAL, self._previous_handler)
+            self._main_thread = None
+
+    def _on_worker_death(self, death: WorkerDiedError) -> None:
+        """Monitor thread: makes the main thread raise `death` wherever it waits (a poll returns EINTR)."""
+        if self._main_thread is not None:
+            signal.pthread_kill(self._main_thread, _INTERRUPT_SIGNAL)
+
+    def _raise_death(self, _signum: int, _frame: object) -> None:
+        if self._stopping or self._death_raised or self._group is None or self._group.death is None:
+            return
+        self._death_raised = True
+        raise self._group.death
+
+
+def _worker_resources(rank: int, report: dict) -> list[ResourceReport]:
+    return [ResourceReport(ResourceKind(r["kind"]), f"rank {rank}: {r['name']}", Outcome(r["outcome"]),
+                           r["ms"], r["error"], r["released_at"]) for r in report["resources"]]

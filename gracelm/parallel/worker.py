@@ -1,7 +1,9 @@
-"""One rank of the model: its weights, its KV cache and the per-request sampling state.
+"""One rank of the model: its weights (or its shard of them), its KV cache and the per-request sampling
+state.
 
-The worker turns a scheduler step into a `ForwardBatch`, runs the forward pass and samples. With tensor
-parallelism each rank runs the same step on its shard; only rank 0's sampled tokens are reported.
+A step arrives as a `StepBatch` (built once on rank 0 from the scheduler's output and, with tensor
+parallelism, sent as it is to the other ranks), becomes a `ForwardBatch` and runs through the model. Only
+rank 0 samples: the others run their shard of the forward pass and contribute to its collectives.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import torch
 from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from gracelm.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
-from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
+from gracelm.parallel.messages import StepBatch
+from gracelm.parallel.sharding import TensorParallelModel, check_shardable, shard_config
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +41,12 @@ class SampledToken:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
         self.rank = rank
+        self.world_size = world_size
         self.loaded: LoadedModel | None = None
+        self.shard: TensorParallelModel | None = None
         self.kv_caches: list[torch.Tensor] = []
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = make_generator(config.seed)
@@ -52,15 +57,26 @@ class Worker:
         return self.loaded.config
 
     def load_model(self) -> LoadedModel:
-        # All the CPUs this process may run on, unless told otherwise (tests of tiny models use one: a
-        # second thread only adds synchronisation to such small matrices).
-        torch.set_num_threads(self.config.extra.get("torch_threads") or len(os.sched_getaffinity(0)))
+        # This rank's share of the CPUs this process may run on (the node's ranks split them), unless told
+        # otherwise (tests of tiny models use one: a second thread only adds synchronisation to such small
+        # matrices).
+        local_ranks = self.world_size // self.config.nnodes
+        share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
+        torch.set_num_threads(self.config.extra.get("torch_threads") or share)
         self.loaded = load_model(self.config.model, self.config.dtype)
+        if self.world_size > 1:
+            check_shardable(self.loaded.config, self.world_size)
+            self.shard = TensorParallelModel(self.loaded.model, self.rank, self.world_size)
         return self.loaded
+
+    @property
+    def shard_config(self) -> ModelConfig:
+        """The shape of this rank's part of the model: what its KV cache holds."""
+        return shard_config(self.model_config, self.world_size)
 
     def kv_block_bytes(self) -> int:
         assert self.loaded is not None
-        return kv_cache_bytes_per_block(self.model_config, self.config.block_size, self.loaded.dtype)
+        return kv_cache_bytes_per_block(self.shard_config, self.config.block_size, self.loaded.dtype)
 
     def available_kv_blocks(self) -> int:
         """How many blocks the KV cache may take, from `kv_cache_memory` or the default share."""
@@ -72,15 +88,26 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         assert self.loaded is not None
-        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, self.config.block_size,
+        self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
                                            self.loaded.dtype)
 
-    @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> dict[str, SampledToken]:
-        """Runs one step; returns the sampled token of every request whose last token was computed."""
+        """Runs one step on this rank alone; the sampled token of every request whose last token was
+        computed."""
+        return self.sample_step(build_step_batch(step.scheduled, self.config.block_size), step)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """The step's logits (None on a rank other than 0 of a tensor-parallel group)."""
         assert self.loaded is not None
-        batch = self._build_batch(step.scheduled)
-        logits = self.loaded.model(batch, self.kv_caches)
+        model = self.shard if self.shard is not None else self.loaded.model
+        return model(batch.to_forward_batch(), self.kv_caches)
+
+    @torch.inference_mode()
+    def sample_step(self, batch: StepBatch, step: SchedulerOutput) -> dict[str, SampledToken]:
+        """Rank 0: runs the forward pass of `batch` (the flattening of `step`) and samples."""
+        logits = self.forward(batch)
+        assert logits is not None
         sampling = [item.request for item in step.scheduled if item.samples]
         if not sampling:
             return {}
@@ -100,10 +127,17 @@ class Worker:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
-    def shutdown(self) -> None:
+    def free_kv_cache(self) -> None:
         self.kv_caches = []
+
+    def free_model(self) -> None:
+        self.shard = None
         self.loaded = None
         self._generators.clear()
+
+    def shutdown(self) -> None:
+        self.free_kv_cache()
+        self.free_model()
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         """A seeded request draws from its own generator, so its tokens do not depend on its batch mates."""
@@ -114,33 +148,6 @@ class Worker:
             generator = self._generators[request_id] = make_generator(seed)
         return generator
 
-    def _build_batch(self, scheduled: list[ScheduledRequest]) -> ForwardBatch:
-        block_size = self.config.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        for item in scheduled:
-            start, end = item.start_position, item.start_position + item.num_new_tokens
-            input_ids.extend(item.request.all_token_ids[start:end])
-            blocks = item.block_ids
-            for pos in range(start, end):
-                positions.append(pos)
-                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            if item.samples:
-                logits_indices.append(len(input_ids) - 1)
-        width = max(len(item.block_ids) for item in scheduled)
-        tables = [item.block_ids + [0] * (width - len(item.block_ids)) for item in scheduled]
-        return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_lens=[item.num_new_tokens for item in scheduled],
-            seq_lens=[item.start_position + item.num_new_tokens for item in scheduled],
-            block_tables=torch.tensor(tables, dtype=torch.int64),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-        )
-
     @staticmethod
     def _sampled(out, row: int, num_logprobs: int | None) -> SampledToken:
         token = SampledToken(int(out.token_ids[row]))
@@ -150,3 +157,30 @@ class Worker:
                 token.top_ids = out.top_logprob_ids[row, :num_logprobs].tolist()
                 token.top_logprobs = out.top_logprobs[row, :num_logprobs].tolist()
         return token
+
+
+def build_step_batch(scheduled: list[ScheduledRequest], block_size: int) -> StepBatch:
+    """Flattens the scheduled requests into the token rows of one forward pass."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_indices: list[int] = []
+    for item in scheduled:
+        start, end = item.start_position, item.start_position + item.num_new_tokens
+        input_ids.extend(item.request.all_token_ids[start:end])
+        blocks = item.block_ids
+        for pos in range(start, end):
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        if item.samples:
+            logits_indices.append(len(input_ids) - 1)
+    width = max(len(item.block_ids) for item in scheduled)
+    return StepBatch(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        query_lens=[item.num_new_tokens for item in scheduled],
+        seq_lens=[item.start_position + item.num_new_tokens for item in scheduled],
+        block_tables=[item.block_ids + [0] * (width - len(item.block_ids)) for item in scheduled],
+        logits_indices=logits_indices,
+    )

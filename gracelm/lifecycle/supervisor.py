@@ -1,0 +1,142 @@
+"""The server's supervisor: the one place that acts on signals and on failures of the engine, and that runs
+the drain (DESIGN.md, "Lifecycle semantics").
+
+It is the `SignalTarget` of the server's `SignalHandler`; every method runs in the server's event loop
+(failures seen by the engine's watcher threads are handed over with `call_soon_threadsafe`).
+
+Graceful stop, in order: the state turns DRAINING (`/ready` 503 at once, `/health` 200); new requests are
+still admitted for the grace period, then refused with 503; the engine core is told to finish its running
+requests within the shutdown timeout (counted from the end of the grace period) and to abort the rest at
+that deadline, each of which ends explicitly (a stream with its abort chunk and an error event); once every
+admitted request is answered and the core has exited, uvicorn is asked to stop (listener and idle
+connections closed), and the caller releases the ledger. An immediate stop (a second signal, SIGQUIT)
+brings the core's deadline to now. A fatal failure turns the state DEAD (`/health` 503), fails what is in
+flight (the engine's streams raise, the routes answer 500 or an error event) and stops with exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import psutil
+
+from gracelm.entrypoints.server_state import Lifecycle, ServerState
+from gracelm.lifecycle.exit_codes import ExitCode
+from gracelm.lifecycle.signals import Decision
+from gracelm.lifecycle.stacks import dump_all_stacks, request_stack_dumps
+
+logger = logging.getLogger("gracelm.supervisor")
+
+_POLL_S = 0.01
+# Beyond the shutdown timeout, how long the drain waits for the answers and the core's exit.
+_DRAIN_SLACK_S = 10.0
+# A SIGQUIT from a failing core arrives right before it exits: wait this long for its death to be seen.
+_QUIT_SETTLE_S = 0.5
+# How long uvicorn waits for open connections once asked to stop after an immediate stop or a failure.
+_FAST_CLOSE_S = 1.0
+
+
+class Supervisor:
+    def __init__(self, state: ServerState, shutdown_timeout: float, drain_grace_period: float) -> None:
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self.drain_grace_period = drain_grace_period
+        self.engine = None  # the AsyncEngine, once started
+        self.server = None  # the uvicorn.Server, once built
+        self.failure: str | None = None
+        self._immediate = asyncio.Event()
+        self._drain: asyncio.Task | None = None
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.FATAL if self.failure is not None else ExitCode.CLEAN_STOP
+
+    # -- SignalTarget --------------------------------------------------------------------------------
+
+    def graceful_stop(self, decision: Decision) -> None:
+        self._start_drain()
+
+    def immediate_stop(self, decision: Decision) -> None:
+        if decision.signal is signal.SIGQUIT:
+            self._loop.create_task(self._settle_quit(), name="sigquit-settle")
+        self._immediate.set()
+        if self.engine is not None:
+            self.engine.begin_shutdown(0)
+        if self.server is not None:
+            self.server.config.timeout_graceful_shutdown = _FAST_CLOSE_S
+        self._start_drain()
+
+    def fatal(self, decision: Decision) -> None:
+        self.fail(decision.reason)
+
+    def dump_stacks(self, decision: Decision) -> None:
+        dump_all_stacks("SIGUSR1")
+        children = [p.pid for p in psutil.Process().children(recursive=True)]
+        request_stack_dumps(children)
+
+    # -- failures ------------------------------------------------------------------------------------
+
+    def on_engine_fatal(self, reason: str) -> None:
+        """The engine's `on_fatal`: called from a watcher thread."""
+        self._loop.call_soon_threadsafe(self.fail, reason)
+
+    def fail(self, reason: str) -> None:
+        if self.failure is not None:
+            return
+        self.failure = reason
+        logger.error("fatal: %s; failing in-flight requests and stopping (exit code %d)", reason,
+                     ExitCode.FATAL)
+        self.state.set(Lifecycle.DEAD)
+        if self.engine is not None:
+            self.engine.declare_failed(reason)
+        self._immediate.set()
+        if self.server is not None:
+            self.server.config.timeout_graceful_shutdown = _FAST_CLOSE_S
+            self.server.should_exit = True
+
+    async def _settle_quit(self) -> None:
+        """A child's SIGQUIT follows its fatal report; if the policy decided before the report was read,
+        the core's death (seen within milliseconds) still makes this stop a failure."""
+        deadline = time.monotonic() + _QUIT_SETTLE_S
+        while self.failure is None and time.monotonic() < deadline:
+            if self.engine is not None and self.engine.dead_error is not None:
+                self.fail(str(self.engine.dead_error))
+            await asyncio.sleep(_POLL_S)
+
+    # -- the drain -----------------------------------------------------------------------------------
+
+    def _start_drain(self) -> None:
+        if self._drain is None and self.failure is None:
+            self._drain = self._loop.create_task(self._run_drain(), name="drain")
+
+    async def _run_drain(self) -> None:
+        started = time.monotonic()
+        self.state.set(Lifecycle.DRAINING)
+        if self.drain_grace_period > 0 and not self._immediate.is_set():
+            logger.info("draining: still accepting requests for %.1f s (grace period)",
+                        self.drain_grace_period)
+            try:
+                await asyncio.wait_for(self._immediate.wait(), self.drain_grace_period)
+            except TimeoutError:
+                pass
+        self.state.accepting = False
+        timeout = 0.0 if self._immediate.is_set() else self.shutdown_timeout
+        logger.info("draining: %d requests in flight, %.1f s to finish", self.state.num_active, timeout)
+        assert self.engine is not None
+        self.engine.begin_shutdown(timeout)
+        deadline = time.monotonic() + timeout + _DRAIN_SLACK_S
+        while (self.state.num_active or not self.engine.core_stopped) and time.monotonic() < deadline:
+            if self.failure is not None:
+                return
+            await asyncio.sleep(_POLL_S)
+        if self.state.num_active:
+            logger.warning("drain deadline passed with %d requests still answering", self.state.num_active)
+        logger.info("drain done in %.2f s", time.monotonic() - started)
+        if self.state.alive:
+            self.state.set(Lifecycle.STOPPING)
+        if self.server is not None:
+            self.server.should_exit = True

@@ -1,0 +1,87 @@
+"""torch.distributed for tensor parallelism: where the ranks live, the TCP rendezvous, the process group.
+
+The ranks of a tensor-parallel group are spread evenly over the nodes: node k holds ranks
+k*L .. (k+1)*L - 1 with L = tensor_parallel_size / nnodes; rank 0, on node 0, lives in the engine core.
+Rank 0 hosts the rendezvous store (a `TCPStore` on `--dist-init-addr`, or on a free port of 127.0.0.1 on
+one node); the workers find there both the process group and the address of their step channel.
+
+The group uses gloo: the model runs on the CPU. Its timeout bounds every collective, so a peer that hangs
+mid-step turns into an error on the others instead of a hang; a peer that dies closes its connections and
+the others' collectives fail at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch.distributed as dist
+
+from gracelm.config import EngineConfig
+
+BACKEND = "gloo"
+# Long enough for the slowest legitimate step; the engine's hang watchdog is the finer net.
+COLLECTIVE_TIMEOUT_S = 60.0
+# How long workers and rank 0 wait for each other at start-up (the other node may start later).
+RENDEZVOUS_TIMEOUT_S = 120.0
+_LOCAL_HOST = "127.0.0.1"
+
+
+class LayoutError(ValueError):
+    """The tensor-parallel size and the number of nodes do not fit together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    world_size: int
+    nnodes: int
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Layout:
+        if config.tensor_parallel_size % config.nnodes:
+            raise LayoutError(f"tensor_parallel_size={config.tensor_parallel_size} must be a multiple of "
+                              f"nnodes={config.nnodes}: every node holds the same number of ranks")
+        return cls(config.tensor_parallel_size, config.nnodes)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def node_ranks(self, node_rank: int) -> range:
+        return range(node_rank * self.ranks_per_node, (node_rank + 1) * self.ranks_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+def rendezvous_address(config: EngineConfig) -> tuple[str, int]:
+    """HOST, PORT of the store: `dist_init_addr` across nodes; on one node 127.0.0.1 and port 0 (rank 0
+    binds a free port and hands it to its local workers)."""
+    if config.nnodes == 1 and not config.dist_init_addr:
+        return _LOCAL_HOST, 0
+    assert config.dist_init_addr
+    host, sep, port = config.dist_init_addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise LayoutError(f"dist_init_addr must be HOST:PORT, got {config.dist_init_addr!r}")
+    return host, int(port)
+
+
+def create_store(host: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
+    """Rank 0 serves the store (returns at once); the others connect, retrying until the timeout."""
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0,
+                         timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False)
+
+
+def init_process_group(store: dist.Store, rank: int, world_size: int) -> None:
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def channel_key(rank: int) -> str:
+    """The store key under which rank 0 publishes the address of worker `rank`'s step channel."""
+    return f"gracelm/step-channel/{rank}"

@@ -1,0 +1,172 @@
+"""Tensor-parallel sharding of a loaded Llama-family model, applied from outside the model file.
+
+Megatron's split: q/k/v and gate/up are column-parallel (each rank keeps a contiguous slice of their
+output rows: its attention heads, its KV heads, its share of the MLP), o and down are row-parallel (each
+rank keeps the matching slice of their input columns) and their partial outputs are summed by an
+all-reduce. Heads are split in contiguous blocks, so query head h of a rank still reads KV head
+h // (heads / kv_heads) of the same rank: grouped-query attention needs no change.
+
+The embedding is replicated (a lookup costs nothing next to a copy of its rows through an all-gather);
+the output head is vocab-parallel: each rank computes the logits of its slice of the vocabulary and only
+rank 0, the one that samples, gathers them. On a model of SmolLM2's kind the head is the largest matmul of
+a decode step, so splitting it matters more than anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gracelm.config import EngineConfig, ModelConfig
+from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.llama import LlamaForCausalLM
+from gracelm.parallel.distributed import Layout
+
+
+class ShardingError(ValueError):
+    """The model cannot be split across this many ranks."""
+
+
+def check_shardable(config: ModelConfig, world_size: int) -> None:
+    """Raises `ShardingError` naming every dimension that does not divide by `world_size`."""
+    dims = {"num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads,
+            "intermediate_size": config.intermediate_size}
+    bad = [f"{name}={value}" for name, value in dims.items() if value % world_size]
+    if bad:
+        raise ShardingError(
+            f"tensor_parallel_size={world_size} does not divide the model's {', '.join(bad)}; choose a "
+            f"size that divides the attention heads, the KV heads and the MLP width")
+
+
+def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
+    """The config one rank's shard has: its heads (what the KV cache of a rank is sized by)."""
+    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world_size,
+                               num_key_value_heads=config.num_key_value_heads // world_size,
+                               intermediate_size=config.intermediate_size // world_size)
+
+
+class CommTimer:
+    """Seconds spent in this rank's collectives, for the per-step communication figure."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+    def add(self, started: float) -> None:
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+
+
+class RowParallelLinear(nn.Module):
+    """A linear over a slice of the input features; the partial products are summed across ranks."""
+
+    def __init__(self, linear: nn.Linear, timer: CommTimer) -> None:
+        super().__init__()
+        self.linear = linear
+        self.timer = timer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        started = time.perf_counter()
+        dist.all_reduce(out)
+        self.timer.add(started)
+        return out
+
+
+class TensorParallelModel(nn.Module):
+    """One rank's shard of a `LlamaForCausalLM`; `forward` returns full logits on rank 0, None elsewhere."""
+
+    def __init__(self, model: LlamaForCausalLM, rank: int, world_size: int) -> None:
+        super().__init__()
+        check_shardable(model.config, world_size)
+        self.rank, self.world_size = rank, world_size
+        self.vocab_size = model.config.vocab_size
+        self.timer = CommTimer()
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                _keep_rows(linear, rank, world_size)
+            attn.o_proj = RowParallelLinear(_keep_columns(attn.o_proj, rank, world_size), self.timer)
+            mlp.down_proj = RowParallelLinear(_keep_columns(mlp.down_proj, rank, world_size), self.timer)
+        self.head = _vocab_slice(model.output_embedding(), rank, world_size)
+        if not model.config.tie_word_embeddings:
+            del model.lm_head  # its slice was copied out; the full matrix is freed
+        self.model = model.model
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+        hidden = self.model(batch, kv_caches)
+        logits = F.linear(hidden, self.head).float()
+        gathered = [torch.empty_like(logits) for _ in range(self.world_size)] if self.rank == 0 else None
+        started = time.perf_counter()
+        dist.gather(logits, gathered, dst=0)
+        self.timer.add(started)
+        if gathered is None:
+            return None
+        return torch.cat(gathered, dim=-1)[:, : self.vocab_size]
+
+
+def _shard_bounds(size: int, rank: int, world_size: int) -> slice:
+    part = size // world_size
+    return slice(rank * part, (rank + 1) * part)
+
+
+def _keep_rows(linear: nn.Linear, rank: int, world_size: int) -> None:
+    rows = _shard_bounds(linear.out_features, rank, world_size)
+    # clone: a view would keep the whole matrix alive.
+    linear.weight = nn.Parameter(linear.weight[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias[rows].clone(), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _keep_columns(linear: nn.Linear, rank: int, world_size: int) -> nn.Linear:
+    # The model's o and down projections have no bias; one would have to be added once, not per rank.
+    assert linear.bias is None, "a row-parallel linear with a bias is not supported"
+    columns = _shard_bounds(linear.in_features, rank, world_size)
+    linear.weight = nn.Parameter(linear.weight[:, columns].clone(), requires_grad=False)
+    linear.in_features = linear.weight.shape[1]
+    return linear
+
+
+def _vocab_slice(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's rows of the [vocab, hidden] head, zero-padded so every rank's slice has the same size
+    (the gather needs equal shapes; the padding logits are cut off on rank 0)."""
+    vocab = weight.shape[0]
+    part = -(-vocab // world_size)
+    rows = weight[rank * part: min((rank + 1) * part, vocab)]
+    head = torch.zeros(part, weight.shape[1], dtype=weight.dtype)
+    head[: rows.shape[0]] = rows
+    return head
+
+
+def check_parallel_config(config: EngineConfig) -> None:
+    """Refuses a tensor-parallel size that the nodes or the model cannot split, reading only the model's
+    config: callable before any process starts."""
+    if config.tensor_parallel_size > 1:
+        Layout.from_config(config)
+        check_shardable(read_model_config(config.model), config.tensor_parallel_size)
+
+
+def read_model_config(path: str | None) -> ModelConfig:
+    """The model's shape without its weights (config.json, or a GGUF header): enough to refuse a split
+    before any process starts."""
+    from gracelm.model.gguf_loader import default_model_path, gguf_model_config
+    from gracelm.model.gguf_reader import read_gguf
+    from gracelm.model.loader import load_model
+
+    model_path = Path(path).expanduser() if path is not None else default_model_path()
+    if model_path.is_dir() and (model_path / "config.json").is_file():
+        return ModelConfig.from_hf_config(json.loads((model_path / "config.json").read_text()))
+    if model_path.suffix == ".gguf" and model_path.is_file():
+        return gguf_model_config(read_gguf(model_path))
+    # Not a readable model: the loader words the error.
+    return load_model(model_path).config
