@@ -1,5 +1,7 @@
 """The paged model computes transformers' logits (float32, within 1e-4) for every way the engine calls it:
-mixed-length batches, prompts split over several calls, and decode steps over scattered cache blocks."""
+mixed-length batches, prompts split over several calls, and decode steps over scattered cache blocks —
+both as loaded and frozen (`freeze()`: fused, repacked linears), the way the engine runs it. Freezing
+changes no logit: within 1e-5 in float32, bit for bit in bfloat16."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.llama import LlamaForCausalLM
+from gracelm.model.llama import FrozenLinear, LlamaForCausalLM
 from gracelm.model.loader import load_model
 from tests.tiny_models import VOCAB_SIZE, tiny_model
 
@@ -33,9 +35,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 class PagedRunner:
     """Drives the model as an engine does: each sequence owns blocks taken from a shuffled free list."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 96, seed: int = 0) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 96, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.model = model
-        self.kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, torch.float32)
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, dtype)
         generator = torch.Generator().manual_seed(seed)
         self.free_blocks = torch.randperm(num_blocks, generator=generator).tolist()
         self.blocks: dict[int, list[int]] = {}
@@ -80,16 +83,25 @@ Models = tuple[LlamaForCausalLM, torch.nn.Module]
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def models(request: pytest.FixtureRequest) -> Models:
+def variant(request: pytest.FixtureRequest) -> tuple[Path, torch.nn.Module]:
+    """A tiny model's directory and transformers' model of it."""
     from transformers import AutoModelForCausalLM
 
     arch, overrides = VARIANTS[request.param]
     directory: Path = tiny_model(arch, **overrides)
-    ours = load_model(directory, dtype="float32").model
     reference = AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32, attn_implementation="eager"
     )
-    return ours, reference.eval()
+    return directory, reference.eval()
+
+
+@pytest.fixture(scope="module", params=["as-loaded", "frozen"])
+def models(request: pytest.FixtureRequest, variant: tuple[Path, torch.nn.Module]) -> Models:
+    directory, reference = variant
+    ours = load_model(directory, dtype="float32").model
+    if request.param == "frozen":
+        ours.freeze()
+    return ours, reference
 
 
 def reference_logits(reference: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -154,3 +166,43 @@ def test_decode_steps_over_scattered_blocks(models: Models) -> None:
     assert blocks_in_use != list(range(blocks_in_use[0], blocks_in_use[0] + len(blocks_in_use)))
     for seq, logits in got.items():
         assert_matches(torch.cat(logits), reference_logits(reference, runner.tokens[seq]))
+
+
+FREEZE_ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
+                "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 32})}
+
+
+def mixed_batch_with_decodes(model: LlamaForCausalLM, dtype: torch.dtype) -> torch.Tensor:
+    """Every logit of a prefill batch of mixed lengths, a chunk beside decodes, then decode steps."""
+    runner = PagedRunner(model, seed=3, dtype=dtype)
+    prompts = {seq: random_tokens(n, seed=20 + seq) for seq, n in enumerate((9, 1, 14, 4))}
+    logits = runner.step([(seq, prompt[:6]) for seq, prompt in prompts.items()])
+    logits += runner.step([(seq, prompt[6:] or [7]) for seq, prompt in prompts.items()])
+    continuation = random_tokens(6 * len(prompts), seed=4)
+    for step in range(6):
+        logits += runner.step([(seq, [continuation[step * len(prompts) + seq]]) for seq in prompts])
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(FREEZE_ARCHS))
+def test_freezing_changes_no_logit(name: str, dtype: torch.dtype) -> None:
+    arch, overrides = FREEZE_ARCHS[name]
+    directory = tiny_model(arch, **overrides)
+    model = load_model(directory, dtype=str(dtype).removeprefix("torch.")).model
+    expected = mixed_batch_with_decodes(model, dtype)
+    model.freeze()
+    assert not [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    config = model.config
+    kv_width = config.num_key_value_heads * config.head_dim
+    assert attn.qkv_proj.output_sizes == (config.num_attention_heads * config.head_dim, kv_width, kv_width)
+    assert mlp.gate_up_proj.output_sizes == (config.intermediate_size,) * 2
+    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        assert isinstance(model.logits_proj, FrozenLinear) and model.logits_proj.packed is not None
+    frozen = mixed_batch_with_decodes(model, dtype)
+    assert frozen.dtype == torch.float32 and frozen.shape == expected.shape
+    if dtype == torch.bfloat16:
+        assert torch.equal(frozen, expected)
+    else:
+        torch.testing.assert_close(frozen, expected, atol=1e-5, rtol=0)

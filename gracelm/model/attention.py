@@ -5,12 +5,14 @@ so that gathering a sequence's blocks (`index_select` on the block dimension) di
 `[kv_heads, tokens, head_dim]` operands of the attention matmuls: no transposing copy of the context.
 A token's slot `block_id * block_size + offset` indexes dim 1 of `cache[i].view(kv_heads, -1, head_dim)`.
 
-Decode tokens (query length 1) of all sequences go through one batched, masked computation whose two
-matmuls run in the cache's dtype when it is bfloat16 or float32: oneDNN's bf16 `bmm` at these shapes is
-4-6x faster than float32 and reads the cache without a converting copy, while bf16 products accumulate in
-float32 (only the scores and probabilities are rounded to bf16, as a bf16 model rounds every activation).
-The softmax is computed in float32. Prefill chunks go one sequence at a time through float32
-`scaled_dot_product_attention` (its bf16 kernel is several times slower on CPU, see DESIGN.md).
+Decode tokens (query length 1) of all sequences go through one batched, masked computation in the cache's
+dtype when it is bfloat16 or float32: scores by a batched matmul over the gathered keys (oneDNN's bf16 `bmm`
+is 4-6x faster than float32 at these shapes and needs no converting copy of the cache), values summed by an
+`embedding_bag` straight from the cache. bf16 products accumulate in float32; only the scores and
+probabilities are rounded to bf16, as a bf16 model rounds all its activations (on SmolLM2 the mean logit
+error against float32 grows by about 10 %, top-1 agreement unchanged). The softmax runs in float32.
+Prefill chunks go one sequence at a time through float32 `scaled_dot_product_attention` (its bf16 kernel
+is several times slower on CPU, see DESIGN.md).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [Bd * blocks_per_seq] their block tables, truncated to the longest, flattened
     blocks_per_seq: int
     mask: torch.Tensor  # [1, Bd, 1, blocks_per_seq * block_size] float32: 0 for context, -inf for padding
+    # [kv_heads, Bd * blocks_per_seq, block_size, head_dim] in the cache's dtype: every layer gathers its keys
+    # here. One buffer for all layers, because a fresh tensor of this size per layer costs page faults that
+    # made the gather 3x slower than the copy itself.
+    keys: torch.Tensor
+    slots: torch.Tensor  # [Bd, blocks_per_seq * block_size] cache slot of each context position
+    value_bags: tuple[torch.Tensor, torch.Tensor] | None = None  # see `_value_bags`, made by the first layer
 
 
 @dataclass
@@ -75,7 +83,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
 
     @classmethod
-    def build(cls, batch: ForwardBatch, block_size: int) -> AttentionMetadata:
+    def build(cls, batch: ForwardBatch, kv_cache: torch.Tensor) -> AttentionMetadata:
+        """`kv_cache` is one layer's cache (every layer's has the same shape and dtype)."""
+        block_size = kv_cache.shape[3]
         starts = [0]
         for q in batch.query_lens:
             starts.append(starts[-1] + q)
@@ -85,11 +95,14 @@ class AttentionMetadata:
             for i, q in enumerate(batch.query_lens)
             if q > 1
         ]
-        decode = _decode_group(batch, decode_seqs, starts, block_size) if decode_seqs else None
+        decode = _decode_group(batch, decode_seqs, starts, kv_cache) if decode_seqs else None
         return cls(batch.slot_mapping, starts[-1], decode, prefills)
 
 
-def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], block_size: int) -> DecodeGroup:
+def _decode_group(
+    batch: ForwardBatch, seqs: list[int], starts: list[int], kv_cache: torch.Tensor
+) -> DecodeGroup:
+    _, kv_heads, _, block_size, head_dim = kv_cache.shape
     seq_lens = [batch.seq_lens[i] for i in seqs]
     blocks_per_seq = -(-max(seq_lens) // block_size)
     device = batch.block_tables.device
@@ -101,7 +114,10 @@ def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], block
     mask.masked_fill_(~in_context, float("-inf"))
     all_tokens_in_order = len(seqs) == starts[-1]
     rows = None if all_tokens_in_order else torch.tensor([starts[i] for i in seqs], device=device)
-    return DecodeGroup(rows, block_ids, blocks_per_seq, mask[None, :, None, :])
+    keys = kv_cache.new_empty((kv_heads, len(block_ids), block_size, head_dim))
+    offsets = torch.arange(block_size, device=device)
+    slots = (block_ids.view(len(seqs), blocks_per_seq, 1) * block_size + offsets).view(len(seqs), -1)
+    return DecodeGroup(rows, block_ids, blocks_per_seq, mask[None, :, None, :], keys, slots)
 
 
 def _prefill_span(batch: ForwardBatch, i: int, start: int, block_size: int) -> PrefillSpan:
@@ -144,21 +160,45 @@ def paged_attention(
 def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
-    """q [Bd, heads, head_dim] -> [Bd, heads * head_dim] in the matmul dtype: one masked
-    matmul-softmax-matmul for all the sequences."""
+    """q [Bd, heads, head_dim] -> [Bd, heads * head_dim] in the cache's dtype (float32 for a float16 cache):
+    one masked matmul-softmax-weighted sum for all the sequences.
+
+    Scores: the keys are gathered (one copy), then one batched matmul. Values: never gathered, an
+    `embedding_bag` sums the probability-weighted value rows straight out of the cache, 3-4x faster than
+    gathering them for a matmul. Both read bf16 and accumulate in float32."""
     batch, num_heads, head_dim = q.shape
-    _, kv_heads, _, block_size, _ = kv_cache.shape
+    _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
     length = group.blocks_per_seq * block_size
     per_kv = num_heads // kv_heads
     dtype = kv_cache.dtype if kv_cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    kv = kv_cache.index_select(2, group.block_ids).view(2, kv_heads * batch, length, head_dim).to(dtype)
+    keys = torch.index_select(kv_cache[0], 1, group.block_ids, out=group.keys)
+    keys = keys.view(kv_heads * batch, length, head_dim).to(dtype)
     # GQA without repeating K/V: query head h reads KV head h // per_kv, so group the query heads.
     queries = q.to(dtype).view(batch, kv_heads, per_kv, head_dim).transpose(0, 1)
-    scores = torch.bmm(queries.reshape(kv_heads * batch, per_kv, head_dim), kv[0].transpose(1, 2))
+    scores = torch.bmm(queries.reshape(kv_heads * batch, per_kv, head_dim), keys.transpose(1, 2))
     scores = scores.view(kv_heads, batch, per_kv, length).float().mul_(scale).add_(group.mask)
-    probs = scores.softmax(dim=-1).to(dtype).view(kv_heads * batch, per_kv, length)
-    out = torch.bmm(probs, kv[1]).view(kv_heads, batch, per_kv, head_dim)
+    probs = scores.softmax(dim=-1)  # [kv_heads, Bd, per_kv, length]
+    if group.value_bags is None:
+        group.value_bags = _value_bags(group.slots, kv_heads, per_kv, num_blocks * block_size)
+    indices, offsets = group.value_bags
+    values = kv_cache[1].view(-1, head_dim)
+    weights = probs.to(values.dtype).view(-1)
+    out = F.embedding_bag(indices, values, offsets, mode="sum", per_sample_weights=weights)
+    out = out.view(kv_heads, batch, per_kv, head_dim).to(dtype)
     return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
+
+
+def _value_bags(
+    slots: torch.Tensor, kv_heads: int, per_kv: int, slots_per_head: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`embedding_bag` indices and offsets over a layer's value cache seen as [kv_heads * slots, head_dim]
+    rows: one bag per (KV head, sequence, query head of that KV head), ordered as the probabilities are,
+    each holding the rows of the sequence's context (padding included: its probability is 0)."""
+    batch, length = slots.shape
+    heads = torch.arange(kv_heads, device=slots.device).view(kv_heads, 1, 1, 1) * slots_per_head
+    indices = (heads + slots.view(1, batch, 1, length)).expand(kv_heads, batch, per_kv, length).reshape(-1)
+    offsets = torch.arange(0, indices.numel(), length, device=slots.device)
+    return indices, offsets
 
 
 def _prefill_attention(
@@ -172,13 +212,14 @@ def _prefill_attention(
         gathered = kv_cache.index_select(2, span.block_ids).view(2, kv_heads, -1, head_dim)
         seq_len = span.context + span.length
         keys, values, mask = gathered[0, :, :seq_len], gathered[1, :, :seq_len], span.mask
+    # 4-D operands (a batch of one): with 3-D ones the CPU takes the unfused math path, 3.5x slower.
     out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1),
-        keys.float(),
-        values.float(),
+        q.float().transpose(0, 1)[None],
+        keys.float()[None],
+        values.float()[None],
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1).reshape(span.length, -1)
+    return out[0].transpose(0, 1).reshape(span.length, -1)

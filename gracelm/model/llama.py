@@ -3,6 +3,10 @@
 Parameter names equal Hugging Face's, so a HF state dict loads as it is. A plain module: it knows nothing of
 serving, scheduling or parallelism; head counts are read from the projections' outputs at run time, so a
 tensor-parallel wrapper may shard the q/k/v/o and gate/up/down linears from outside.
+
+Once loaded (and sharded, if at all), `LlamaForCausalLM.freeze()` turns the linears into `FrozenLinear`s:
+q/k/v and gate/up stacked by rows into one matmul each, bfloat16 weights reordered once for oneDNN. The
+matmuls are most of a decode step's time. A frozen linear keeps its parts' row counts (`output_sizes`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,54 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class FrozenLinear(nn.Module):
+    """One or several linears of the same input, stacked by rows, frozen for inference: one matmul instead of
+    several. `output_sizes` are the parts' widths, in order: a tensor-parallel split of the output takes
+    its share of each part. bfloat16 weights on CPU are reordered once into oneDNN's blocked layout: the
+    same kernel as `F.linear` (bit-identical results) without the per-call weight reorder, 1.6-2.5x faster
+    at batch 1 and 1.2-1.4x at batch 64 on this project's machine. Float32 keeps the plain weight and MKL,
+    so float32 logits stay those of transformers."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        self.output_sizes = tuple(w.shape[0] for w in weights)
+        self.bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
+        self.packed = _onednn_packed(weight)
+        self.weight = weight if self.packed is None else None
+
+    @classmethod
+    def of(cls, linears: list[nn.Linear]) -> FrozenLinear:
+        biases = [linear.bias for linear in linears] if linears[0].bias is not None else None
+        return cls([linear.weight for linear in linears], biases)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs, as views of one matmul's result."""
+        return self(x).split(self.output_sizes, dim=-1)
+
+
+def freeze_linears(module: nn.Module) -> None:
+    """Replaces every `nn.Linear` below `module`, however deeply wrapped, by its `FrozenLinear`."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, FrozenLinear.of([child]))
+        else:
+            freeze_linears(child)
+
+
+def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's own layout (an opaque tensor); None where `F.linear` does not use oneDNN."""
+    on_cpu = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    if weight.dtype != torch.bfloat16 or not on_cpu:
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -47,6 +99,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.qkv_proj: FrozenLinear | None = None
+
+    def fuse_qkv(self) -> None:
+        self.qkv_proj = FrozenLinear.of([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -57,9 +114,11 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, -1, self.head_dim)
-        k = self.k_proj(x).view(tokens, -1, self.head_dim)
-        v = self.v_proj(x).view(tokens, -1, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj.split(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = (t.view(tokens, -1, self.head_dim) for t in (q, k, v))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -72,9 +131,18 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: FrozenLinear | None = None
+
+    def fuse_gate_up(self) -> None:
+        self.gate_up_proj = FrozenLinear.of([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj.split(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,11 +174,19 @@ class LlamaModel(nn.Module):
         # Not a weight: recomputed from the config (on CPU even under a `meta` device context).
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
 
+    def freeze(self) -> None:
+        """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`): after loading, and after
+        sharding if any (the sharded linears may be wrapped: those inside the wrappers are frozen)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_qkv()
+            layer.mlp.fuse_gate_up()
+            freeze_linears(layer)
+
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states after the final norm of the rows `batch.logits_indices`."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
-        meta = AttentionMetadata.build(batch, block_size=kv_caches[0].shape[3])
+        meta = AttentionMetadata.build(batch, kv_caches[0])
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x.index_select(0, batch.logits_indices))
@@ -130,6 +206,17 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_proj: FrozenLinear | None = None
+
+    def freeze(self) -> None:
+        """Readies the loaded weights for fast inference: the decoder's (see `LlamaModel.freeze`) and the
+        logits projection's. Their weights leave the state dict: load before, never after. (A tensor-parallel
+        wrapper, which has its own logits head, shards first and then calls `LlamaModel.freeze`.)"""
+        self.model.freeze()
+        # Tied: the embedding keeps its plain matrix for lookups, the logits get their own (packed) copy.
+        self.logits_proj = FrozenLinear([self.output_embedding()])
+        if not self.config.tie_word_embeddings:
+            del self.lm_head
 
     def output_embedding(self) -> torch.Tensor:
         """The [vocab, hidden] matrix that turns hidden states into logits."""
@@ -141,4 +228,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Float32 logits [len(batch.logits_indices), vocab]; writes the batch's K/V into `kv_caches`."""
         hidden = self.model(batch, kv_caches)
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden).float()
         return F.linear(hidden, self.output_embedding()).float()

@@ -4,7 +4,9 @@ Megatron's split: q/k/v and gate/up are column-parallel (each rank keeps a conti
 output rows: its attention heads, its KV heads, its share of the MLP), o and down are row-parallel (each
 rank keeps the matching slice of their input columns) and their partial outputs are summed by an
 all-reduce. Heads are split in contiguous blocks, so query head h of a rank still reads KV head
-h // (heads / kv_heads) of the same rank: grouped-query attention needs no change.
+h // (heads / kv_heads) of the same rank: grouped-query attention needs no change. The split works on the
+loaded model's separate, HF-named linears; the shard is frozen after it (`LlamaModel.freeze`), which stacks
+the rank's slices, so its fused q/k/v holds its own heads only.
 
 The embedding is replicated (a lookup costs nothing next to a copy of its rows through an all-gather);
 the output head is vocab-parallel: each rank computes the logits of its slice of the vocabulary and only
@@ -21,12 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.llama import LlamaForCausalLM
+from gracelm.model.llama import FrozenLinear, LlamaForCausalLM
 from gracelm.parallel.distributed import Layout
 
 
@@ -96,15 +97,18 @@ class TensorParallelModel(nn.Module):
                 _keep_rows(linear, rank, world_size)
             attn.o_proj = RowParallelLinear(_keep_columns(attn.o_proj, rank, world_size), self.timer)
             mlp.down_proj = RowParallelLinear(_keep_columns(mlp.down_proj, rank, world_size), self.timer)
-        self.head = _vocab_slice(model.output_embedding(), rank, world_size)
+        self.head = FrozenLinear([_vocab_slice(model.output_embedding(), rank, world_size)])
         if not model.config.tie_word_embeddings:
             del model.lm_head  # its slice was copied out; the full matrix is freed
         self.model = model.model
+        # Only now, on this rank's slices: freezing stacks each layer's q/k/v and gate/up shards into one
+        # matmul and also reaches the linears inside the `RowParallelLinear`s.
+        self.model.freeze()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         hidden = self.model(batch, kv_caches)
-        logits = F.linear(hidden, self.head).float()
+        logits = self.head(hidden).float()
         gathered = [torch.empty_like(logits) for _ in range(self.world_size)] if self.rank == 0 else None
         started = time.perf_counter()
         dist.gather(logits, gathered, dst=0)

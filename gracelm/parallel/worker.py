@@ -64,9 +64,13 @@ class Worker:
         share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
         torch.set_num_threads(self.config.extra.get("torch_threads") or share)
         self.loaded = load_model(self.config.model, self.config.dtype)
+        # Freezing fuses and repacks the HF-named linears, so it comes last: after sharding, which splits them
+        # (the tensor-parallel shard freezes itself once split).
         if self.world_size > 1:
             check_shardable(self.loaded.config, self.world_size)
             self.shard = TensorParallelModel(self.loaded.model, self.rank, self.world_size)
+        else:
+            self.loaded.model.freeze()
         return self.loaded
 
     @property
