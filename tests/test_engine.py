@@ -10,6 +10,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from gracelm import AsyncEngine, Engine, SamplingParams
 from tests.process_checks import assert_nothing_left
@@ -222,3 +223,16 @@ def test_async_streams_and_aborts_mid_prefill_and_mid_decode_leak_nothing(model)
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_waiting"] == 0
     assert not engine.is_running
     assert_nothing_left()
+
+
+def test_the_worker_runs_the_frozen_fast_path():
+    """The engine computes with fused, frozen linears (what the parity tests check against transformers)."""
+    from gracelm.config import EngineConfig
+    from gracelm.model.llama import FrozenLinear
+    from gracelm.parallel.worker import Worker
+
+    model = Worker(EngineConfig(model=str(tiny_model("llama")), **BASE)).load_model().model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, FrozenLinear)
+    assert isinstance(layer.mlp.gate_up_proj, FrozenLinear)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
