@@ -1,16 +1,31 @@
 """Lifecycle timings of a real `gracelm serve` (default model unless --model): launch to `/ready` 200;
 SIGTERM to exit when idle; SIGTERM to exit with 16 streams in flight, beside the time those requests needed
-anyway; `kill -9` of the engine core to the supervisor's exit; `kill -9` of the supervisor to its last child
-gone. Median of --repeat runs. Run by hand: `python bench/lifecycle.py [--repeat 5] [--model PATH]`."""
+anyway (`alone`) and their own time when the SIGTERM came after their first tokens (`drained`); `kill -9`
+of the engine core to `/health` 503 (the failure detected and stated) and to the supervisor's exit;
+`kill -9` of the supervisor to its last child gone. Median of --repeat runs. Run by hand:
+`python bench/lifecycle.py [--repeat 5] [--model PATH]`.
+
+"Gone", for the children of a killed supervisor, is measured two ways: `dead` when the last one has stopped
+running (exited: a zombie or already reaped; a zombie holds no memory, file, socket or device, only its
+exit status), `reaped` when the last one has also left the process table. The children of a dead parent are
+reparented to init (or the nearest subreaper), which reaps them when it gets round to it: the gap between
+the two is that process's, not the server's.
+
+The servers run with OpenMP threads that wait passively (unless OMP_WAIT_POLICY is set already), as the test
+suite does: with spinning threads, a 2-thread engine core on a 2-core machine that any other process also
+uses slows down some twentyfold (measured: one decode step every 1-2 s instead of ~20 per second), and the
+stream figures would measure the neighbours instead of the drain."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -18,6 +33,7 @@ from gracelm.lifecycle.stale import reclaim_stale  # noqa: E402
 from tests.server_process import ServerProcess, start_streams  # noqa: E402
 
 STREAM_TOKENS = 64
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the servers started below
 
 
 def launch(model: str | None) -> tuple[ServerProcess, float]:
@@ -47,26 +63,73 @@ def run_once(model: str | None) -> dict[str, float]:
     for stream in start_streams(server.url, 16, STREAM_TOKENS):
         stream.join()
     figures["16_streams_alone_s"] = time.monotonic() - started
+    started = time.monotonic()
     streams = start_streams(server.url, 16, STREAM_TOKENS)
     server.capture()
     figures["16_streams_sigterm_exit_s"] = timed_exit(server, server.process.terminate)
+    # The same requests' own time, from their start as above, with the SIGTERM after their first tokens:
+    # the drain must not slow them.
+    figures["16_streams_drained_s"] = max(s.join().ended_at for s in streams) - started
     reasons = [s.finish_reasons for s in streams]
     assert all(r == ["length"] for r in reasons), reasons
 
     server, _ = launch(model)
     server.capture()
     core = next(p for p in server.children if "engine-core" in " ".join(p.cmdline()))
-    figures["core_kill9_to_exit_s"] = timed_exit(server, core.kill)
+    started = time.monotonic()
+    core.kill()
+    figures["core_kill9_to_health_503_s"] = wait_health_failed(server.url) - started
+    assert server.wait_exit(120) == 1, server.log()[-3000:]
+    figures["core_kill9_to_exit_s"] = time.monotonic() - started
+    server.assert_nothing_left()
+    server.close_log()
 
     server, _ = launch(model)
     server.capture()
     started = time.monotonic()
     server.process.kill()
-    psutil.wait_procs(server.children, timeout=5)
-    figures["supervisor_kill9_to_last_child_gone_s"] = time.monotonic() - started
+    dead, reaped = wait_gone(server.children, timeout=5)
+    figures["supervisor_kill9_to_last_child_dead_s"] = dead - started
+    figures["supervisor_kill9_to_last_child_reaped_s"] = reaped - started
     server.wait_exit(5)
     server.close_log()
     return figures
+
+
+def wait_health_failed(url: str) -> float:
+    """When (monotonic) `/health` first answered something else than 200; it must be 503."""
+    while True:
+        status = httpx.get(f"{url}/health", timeout=5).status_code
+        if status != 200:
+            assert status == 503, status
+            return time.monotonic()
+        time.sleep(0.002)
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> tuple[float, float]:
+    """When (monotonic) the last of `procs` stopped running, and when the last left the process table.
+    Polled every 2 ms: these are not our children, so there is no sentinel to wait on."""
+    dead: dict[int, float] = {}
+    reaped: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(reaped) < len(procs):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"children still present {timeout} s after the supervisor's death: "
+                                 f"{[p for p in procs if p.pid not in reaped]}")
+        for proc in procs:
+            if proc.pid in reaped:
+                continue
+            now = time.monotonic()
+            try:
+                zombie = proc.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                dead.setdefault(proc.pid, now)
+                reaped[proc.pid] = now
+                continue
+            if zombie:
+                dead.setdefault(proc.pid, now)
+        time.sleep(0.002)
+    return max(dead.values()), max(reaped.values())
 
 
 def main() -> None:

@@ -395,6 +395,8 @@ class AsyncEngine(_Frontend):
         # Set before the watchers start: a failure they report may come at once.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead_error: EngineDeadError | None = None
+        self._dead = asyncio.Event()  # set with _dead_error
+        self._core_exited = asyncio.Event()  # set by the core's sentinel, in the loop
         super().__init__(config, ledger, on_fatal)
         self._streams: dict[str, _Stream] = {}
         self._utility_calls: dict[int, asyncio.Future] = {}
@@ -460,6 +462,17 @@ class AsyncEngine(_Frontend):
         """The core has exited (after `begin_shutdown`, once its drain is over)."""
         process = self._client.process
         return process is None or process.exitcode is not None
+
+    async def wait_core_exit(self) -> None:
+        """Returns once the core process has ended; woken by its sentinel in this loop, without polling."""
+        if self._core_exited.is_set() or self._shut_down or self.core_stopped:
+            return
+        self._start_output_loop()  # which watches the sentinel
+        await self._core_exited.wait()
+
+    async def wait_dead(self) -> None:
+        """Returns once the engine is known dead (`dead_error` set)."""
+        await self._dead.wait()
 
     def shutdown(self, timeout: float | None = None) -> ShutdownReport:
         """Stops the core; streams still open get a last output with `finish_reason="abort"`."""
@@ -539,6 +552,7 @@ class AsyncEngine(_Frontend):
     def _on_core_exit(self) -> None:
         assert self._loop is not None
         self._client.unwatch_process(self._loop)
+        self._core_exited.set()
         if self._shut_down:
             return
         # What the core sent before it died is delivered first.
@@ -546,6 +560,7 @@ class AsyncEngine(_Frontend):
             self._handle(message)
         # The sentinel closes a moment before the exit status can be read.
         if self._client.stop_requested and self._client.wait_exit(1.0) and self._client.process.exitcode == 0:
+            logger.info("engine core exited at the end of its drain")
             self._end_streams()  # the drain is over: its last outputs came above
             for future in self._utility_calls.values():
                 if not future.done():
@@ -566,6 +581,7 @@ class AsyncEngine(_Frontend):
         if self._dead_error is not None:
             return
         self._dead_error = error
+        self._dead.set()
         logger.error("%s", error)
         if self._output_task is not None and self._output_task is not asyncio.current_task():
             self._output_task.cancel()

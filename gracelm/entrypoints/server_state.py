@@ -3,11 +3,13 @@
 STARTING → RUNNING → DRAINING → STOPPING, and DEAD from anywhere once the engine is gone. RUNNING takes new
 work, and so does DRAINING during its grace period (`accepting`, for load balancers to notice the readiness
 change); liveness (`/health`) holds until DEAD, readiness (`/ready`) only while RUNNING. `num_active` counts
-the admitted requests not yet answered, which the drain waits for.
+the admitted requests not yet answered, which the drain waits for (`wait_idle()`: woken by the last answer,
+not by polling).
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 
@@ -38,6 +40,8 @@ class ServerState:
         self.num_waiting = 0
         self.num_active = 0
         self.accepting = True  # during DRAINING: still within the grace period
+        self._idle = asyncio.Event()  # set while num_active is 0
+        self._idle.set()
 
     def set(self, lifecycle: Lifecycle) -> None:
         if lifecycle is not self.lifecycle:
@@ -51,6 +55,20 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.lifecycle is Lifecycle.RUNNING
+
+    async def wait_idle(self) -> None:
+        """Returns once no admitted request is left unanswered."""
+        await self._idle.wait()
+
+    def _enter(self) -> None:
+        self.num_waiting += 1
+        self.num_active += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.num_active -= 1
+        if self.num_active == 0:
+            self._idle.set()
 
     def admit(self) -> Admission:
         """Admits one request or raises a 503; the caller releases the admission when the request leaves."""
@@ -70,8 +88,7 @@ class Admission:
         self._state = state
         self._waiting = True
         self._active = True
-        state.num_waiting += 1
-        state.num_active += 1
+        state._enter()
 
     def started(self) -> None:
         if self._waiting:
@@ -82,4 +99,4 @@ class Admission:
         self.started()
         if self._active:
             self._active = False
-            self._state.num_active -= 1
+            self._state._leave()

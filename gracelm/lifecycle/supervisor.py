@@ -12,6 +12,8 @@ admitted request is answered and the core has exited, uvicorn is asked to stop (
 connections closed), and the caller releases the ledger. An immediate stop (a second signal, SIGQUIT)
 brings the core's deadline to now. A fatal failure turns the state DEAD (`/health` 503), fails what is in
 flight (the engine's streams raise, the routes answer 500 or an error event) and stops with exit code 1.
+Every wait here is woken by its event (the last answer, the core's process sentinel, a failure), never by
+a polling interval.
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ from gracelm.lifecycle.stacks import dump_all_stacks, request_stack_dumps
 
 logger = logging.getLogger("gracelm.supervisor")
 
-_POLL_S = 0.01
 # Beyond the shutdown timeout, how long the drain waits for the answers and the core's exit.
 _DRAIN_SLACK_S = 10.0
 # A SIGQUIT from a failing core arrives right before it exits: wait this long for its death to be seen.
 _QUIT_SETTLE_S = 0.5
 # How long uvicorn waits for open connections once asked to stop after an immediate stop or a failure.
 _FAST_CLOSE_S = 1.0
+# After a fatal failure, how long the server still answers (`/health` 503, new requests 503) before its
+# listener closes: whoever polls it sees the failure stated, not only a refused connection. The in-flight
+# requests get their errors meanwhile.
+_DEAD_ANSWER_S = 0.25
 
 
 class Supervisor:
@@ -48,6 +53,7 @@ class Supervisor:
         self.server = None  # the uvicorn.Server, once built
         self.failure: str | None = None
         self._immediate = asyncio.Event()
+        self._failed = asyncio.Event()
         self._drain: asyncio.Task | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -91,21 +97,25 @@ class Supervisor:
         logger.error("fatal: %s; failing in-flight requests and stopping (exit code %d)", reason,
                      ExitCode.FATAL)
         self.state.set(Lifecycle.DEAD)
+        self._failed.set()
         if self.engine is not None:
             self.engine.declare_failed(reason)
         self._immediate.set()
         if self.server is not None:
             self.server.config.timeout_graceful_shutdown = _FAST_CLOSE_S
-            self.server.should_exit = True
+            self._loop.call_later(_DEAD_ANSWER_S, setattr, self.server, "should_exit", True)
 
     async def _settle_quit(self) -> None:
         """A child's SIGQUIT follows its fatal report; if the policy decided before the report was read,
         the core's death (seen within milliseconds) still makes this stop a failure."""
-        deadline = time.monotonic() + _QUIT_SETTLE_S
-        while self.failure is None and time.monotonic() < deadline:
-            if self.engine is not None and self.engine.dead_error is not None:
-                self.fail(str(self.engine.dead_error))
-            await asyncio.sleep(_POLL_S)
+        if self.engine is None:
+            return
+        try:
+            await asyncio.wait_for(self.engine.wait_dead(), _QUIT_SETTLE_S)
+        except TimeoutError:
+            return
+        assert self.engine.dead_error is not None
+        self.fail(str(self.engine.dead_error))
 
     # -- the drain -----------------------------------------------------------------------------------
 
@@ -128,11 +138,8 @@ class Supervisor:
         logger.info("draining: %d requests in flight, %.1f s to finish", self.state.num_active, timeout)
         assert self.engine is not None
         self.engine.begin_shutdown(timeout)
-        deadline = time.monotonic() + timeout + _DRAIN_SLACK_S
-        while (self.state.num_active or not self.engine.core_stopped) and time.monotonic() < deadline:
-            if self.failure is not None:
-                return
-            await asyncio.sleep(_POLL_S)
+        if not await self._drained_or_failed(timeout + _DRAIN_SLACK_S):
+            return
         if self.state.num_active:
             logger.warning("drain deadline passed with %d requests still answering", self.state.num_active)
         logger.info("drain done in %.2f s", time.monotonic() - started)
@@ -140,3 +147,16 @@ class Supervisor:
             self.state.set(Lifecycle.STOPPING)
         if self.server is not None:
             self.server.should_exit = True
+
+    async def _drained_or_failed(self, timeout: float) -> bool:
+        """Waits until every admitted request is answered and the core has exited, or `timeout` s pass;
+        False if a failure came first (the failure path then stops the server)."""
+        assert self.engine is not None
+        drained = asyncio.ensure_future(asyncio.gather(self.state.wait_idle(), self.engine.wait_core_exit()))
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            await asyncio.wait({drained, failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (drained, failed):
+                waiter.cancel()
+        return self.failure is None
