@@ -39,6 +39,7 @@ from gracelm.engine.outputs import RequestOutput
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.stacks import request_stack_dumps
 from gracelm.lifecycle.watchdog import HangWatchdog, ProcessSentinelWatch, describe_exit
+from gracelm.model.loader import load_tokenizer
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.parallel.sharding import check_parallel_config
 from gracelm.sampling_params import SamplingParams
@@ -52,25 +53,6 @@ FatalHandler = Callable[[str], None]
 _HANG_DUMP_WAIT_S = 0.5
 # A core declared dead (hung, or reported a fatal error) gets this long to exit before it is forced.
 _DEAD_CORE_WAIT_S = 0.5
-
-
-def load_tokenizer(model: str | None) -> Tokenizer:
-    """The tokenizer alone (the frontend needs no weights), from the same path the core loads."""
-    from gracelm.model.loader import ModelLoadError, ModelNotFoundError
-
-    if model is None:
-        from gracelm.model.gguf_loader import default_model_path
-
-        path = Path(default_model_path())
-    else:
-        path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"model path {path} does not exist")
-    if path.is_dir():
-        return Tokenizer.from_dir(path)
-    if path.suffix == ".gguf":
-        return Tokenizer.from_gguf(path)
-    raise ModelLoadError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
 
 
 class _Frontend:

@@ -57,6 +57,12 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto") 
     """Loads weights, config and tokenizer; `path=None` is the default model (SmolLM2-135M-Instruct GGUF)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    path = resolve_model_path(path)
+    return _load_hf_directory(path, dtype) if path.is_dir() else _load_gguf_file(path, dtype)
+
+
+def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
+    """The model's directory or `.gguf` file (`None`: the default model); errors name what is wrong."""
     if path is None:
         from gracelm.model.gguf_loader import default_model_path
 
@@ -64,11 +70,26 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto") 
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist")
+    if not path.is_dir() and path.suffix != ".gguf":
+        raise ModelLoadError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
+    """The tokenizer alone (a frontend needs no weights), from the path `load_model` would read."""
+    path = resolve_model_path(path)
+    return Tokenizer.from_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
+
+
+def load_model_config(path: str | os.PathLike[str] | None) -> ModelConfig:
+    """The model's shape without its weights (config.json, or a GGUF header)."""
+    path = resolve_model_path(path)
     if path.is_dir():
-        return _load_hf_directory(path, dtype)
-    if path.suffix == ".gguf":
-        return _load_gguf_file(path, dtype)
-    raise ModelLoadError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
+        return _read_hf_config(path)
+    from gracelm.model.gguf_loader import gguf_model_config
+    from gracelm.model.gguf_reader import read_gguf
+
+    return gguf_model_config(read_gguf(path))
 
 
 def _load_hf_directory(path: Path, dtype: str) -> LoadedModel:

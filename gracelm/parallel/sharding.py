@@ -17,9 +17,7 @@ a decode step, so splitting it matters more than anything else.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,6 +26,7 @@ from torch import nn
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM
+from gracelm.model.loader import load_model_config
 from gracelm.parallel.distributed import Layout
 
 
@@ -157,20 +156,4 @@ def check_parallel_config(config: EngineConfig) -> None:
     config: callable before any process starts."""
     if config.tensor_parallel_size > 1:
         Layout.from_config(config)
-        check_shardable(read_model_config(config.model), config.tensor_parallel_size)
-
-
-def read_model_config(path: str | None) -> ModelConfig:
-    """The model's shape without its weights (config.json, or a GGUF header): enough to refuse a split
-    before any process starts."""
-    from gracelm.model.gguf_loader import default_model_path, gguf_model_config
-    from gracelm.model.gguf_reader import read_gguf
-    from gracelm.model.loader import load_model
-
-    model_path = Path(path).expanduser() if path is not None else default_model_path()
-    if model_path.is_dir() and (model_path / "config.json").is_file():
-        return ModelConfig.from_hf_config(json.loads((model_path / "config.json").read_text()))
-    if model_path.suffix == ".gguf" and model_path.is_file():
-        return gguf_model_config(read_gguf(model_path))
-    # Not a readable model: the loader words the error.
-    return load_model(model_path).config
+        check_shardable(load_model_config(config.model), config.tensor_parallel_size)
