@@ -9,14 +9,14 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from gracelm.engine.errors import EngineDeadError
-from gracelm.engine.outputs import Logprob, RequestOutput
+from gracelm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from gracelm.entrypoints.api_errors import APIError, from_value_error
 from gracelm.entrypoints.openai_protocol import SamplingFields, Usage
 from gracelm.entrypoints.server_state import Admission, Lifecycle, ServerState
@@ -24,6 +24,10 @@ from gracelm.metrics import ServerMetrics
 from gracelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+# Renders one choice's new tokens: (output, first unsent token, first unsent character) -> an SSE event.
+ChoiceChunk = Callable[[CompletionOutput, int, int], str]
 
 
 class ServingBase:
@@ -116,6 +120,34 @@ class ServingBase:
         if any(o.finish_reason == "abort" for o in final.outputs):
             raise aborted_error()
         return final
+
+    async def stream(self, outputs: AsyncIterator[RequestOutput], n: int, first: list[str],
+                     choice_chunk: ChoiceChunk, usage_chunk: Callable[[Usage], str] | None,
+                     ) -> AsyncGenerator[str]:
+        """A request's SSE events: `first`, then a chunk for each choice that moved
+        (`choice_chunk(output, its first unsent token, its first unsent char)`), the usage chunk if asked,
+        an error event if the request was aborted, and `[DONE]` in every case, so that no client waits on
+        a stream that has ended."""
+        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        last: RequestOutput | None = None
+        try:
+            for event in first:
+                yield event
+            async for last in outputs:
+                for o in last.outputs:
+                    i = o.index
+                    if done[i] or (len(o.token_ids) == sent_tokens[i] and not o.finished):
+                        continue
+                    event = choice_chunk(o, sent_tokens[i], sent_chars[i])
+                    sent_chars[i], sent_tokens[i], done[i] = len(o.text), len(o.token_ids), o.finished
+                    yield event
+            if usage_chunk is not None and last is not None:
+                yield usage_chunk(usage_of(last))
+            if last is not None and any(o.finish_reason == "abort" for o in last.outputs):
+                yield sse_data(aborted_error().body())
+        except APIError as exc:
+            yield sse_data(exc.body())
+        yield "data: [DONE]\n\n"
 
     def token_text(self, token_id: int, logprob: Logprob) -> str:
         if logprob.decoded_token is not None:

@@ -25,7 +25,7 @@ from gracelm.entrypoints.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from gracelm.entrypoints.serving_base import ServingBase, aborted_error, sse_data, usage_of
+from gracelm.entrypoints.serving_base import ServingBase, sse_data, usage_of
 
 
 class ServingChat(ServingBase):
@@ -69,8 +69,8 @@ class ServingChat(ServingBase):
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage_of(final))
 
-    async def _events(self, request_id: str, outputs: AsyncIterator[RequestOutput], n: int, top: int | None,
-                      include_usage: bool) -> AsyncGenerator[str]:
+    def _events(self, request_id: str, outputs: AsyncIterator[RequestOutput], n: int, top: int | None,
+                include_usage: bool) -> AsyncGenerator[str]:
         created = int(time.time())
         exclude = None if include_usage else {"usage"}
 
@@ -78,29 +78,17 @@ class ServingChat(ServingBase):
             return sse_data(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                                 choices=[choice] if choice else [], usage=usage), exclude)
 
-        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
-        last: RequestOutput | None = None
-        try:
-            for i in range(n):
-                yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-            async for last in outputs:
-                for o in last.outputs:
-                    i = o.index
-                    if done[i] or (len(o.token_ids) == sent_tokens[i] and not o.finished):
-                        continue
-                    text = o.text[sent_chars[i]:]
-                    logprobs = self._logprobs(o, sent_tokens[i], top)
-                    sent_chars[i], sent_tokens[i], done[i] = len(o.text), len(o.token_ids), o.finished
-                    delta = DeltaMessage(content=text) if text else DeltaMessage()
-                    yield chunk(ChatChunkChoice(index=i, delta=delta, logprobs=logprobs,
-                                                finish_reason=o.finish_reason))
-            if include_usage and last is not None:
-                yield chunk(None, usage_of(last))
-            if last is not None and any(o.finish_reason == "abort" for o in last.outputs):
-                yield sse_data(aborted_error().body())
-        except APIError as exc:
-            yield sse_data(exc.body())
-        yield "data: [DONE]\n\n"
+        def choice_chunk(o: CompletionOutput, start_token: int, start_char: int) -> str:
+            text = o.text[start_char:]
+            delta = DeltaMessage(content=text) if text else DeltaMessage()
+            logprobs = self._logprobs(o, start_token, top)
+            return chunk(ChatChunkChoice(index=o.index, delta=delta, logprobs=logprobs,
+                                         finish_reason=o.finish_reason))
+
+        roles = [chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+                 for i in range(n)]
+        usage = (lambda u: chunk(None, u)) if include_usage else None
+        return self.stream(outputs, n, roles, choice_chunk, usage)
 
     def _logprobs(self, o: CompletionOutput, start: int, top: int | None) -> ChatLogprobs | None:
         """OpenAI's per-token logprobs for the tokens of `o` from position `start` on."""

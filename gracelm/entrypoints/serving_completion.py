@@ -17,7 +17,7 @@ from gracelm.entrypoints.openai_protocol import (
     CompletionResponse,
     Usage,
 )
-from gracelm.entrypoints.serving_base import ServingBase, aborted_error, sse_data, usage_of
+from gracelm.entrypoints.serving_base import ServingBase, sse_data, usage_of
 
 
 class ServingCompletion(ServingBase):
@@ -62,8 +62,8 @@ class ServingCompletion(ServingBase):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return ids
 
-    async def _events(self, request_id: str, outputs: AsyncIterator[RequestOutput], n: int,
-                      top: int | None, include_usage: bool) -> AsyncGenerator[str]:
+    def _events(self, request_id: str, outputs: AsyncIterator[RequestOutput], n: int,
+                top: int | None, include_usage: bool) -> AsyncGenerator[str]:
         created = int(time.time())
         exclude = None if include_usage else {"usage"}
 
@@ -71,26 +71,13 @@ class ServingCompletion(ServingBase):
             return sse_data(CompletionResponse(id=request_id, created=created, model=self.model_name,
                                                choices=[choice] if choice else [], usage=usage), exclude)
 
-        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
-        last: RequestOutput | None = None
-        try:
-            async for last in outputs:
-                for o in last.outputs:
-                    i = o.index
-                    if done[i] or (len(o.token_ids) == sent_tokens[i] and not o.finished):
-                        continue
-                    logprobs = self._logprobs(o, sent_tokens[i], sent_chars[i], top)
-                    text = o.text[sent_chars[i]:]
-                    sent_chars[i], sent_tokens[i], done[i] = len(o.text), len(o.token_ids), o.finished
-                    yield chunk(CompletionChoice(index=i, text=text, logprobs=logprobs,
-                                                 finish_reason=o.finish_reason))
-            if include_usage and last is not None:
-                yield chunk(None, usage_of(last))
-            if last is not None and any(o.finish_reason == "abort" for o in last.outputs):
-                yield sse_data(aborted_error().body())
-        except APIError as exc:
-            yield sse_data(exc.body())
-        yield "data: [DONE]\n\n"
+        def choice_chunk(o: CompletionOutput, start_token: int, start_char: int) -> str:
+            return chunk(CompletionChoice(index=o.index, text=o.text[start_char:],
+                                          logprobs=self._logprobs(o, start_token, start_char, top),
+                                          finish_reason=o.finish_reason))
+
+        usage = (lambda u: chunk(None, u)) if include_usage else None
+        return self.stream(outputs, n, [], choice_chunk, usage)
 
     def _logprobs(self, o: CompletionOutput, start: int, offset: int,
                   top: int | None) -> CompletionLogprobs | None:
