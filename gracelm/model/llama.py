@@ -78,8 +78,10 @@ def freeze_linears(module: nn.Module) -> None:
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's own layout (an opaque tensor); None where `F.linear` does not use oneDNN."""
-    on_cpu = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    """The weight in oneDNN's own layout (an opaque tensor); None where `F.linear` does not use oneDNN
+    (oneDNN refuses to pack bfloat16 on a CPU without native bfloat16 support: `F.linear` emulates it)."""
+    on_cpu = (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if weight.dtype != torch.bfloat16 or not on_cpu:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
