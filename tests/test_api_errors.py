@@ -22,10 +22,12 @@ USER = [{"role": "user", "content": "hello"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
-    # One sequence at a time and one waiting request at most, so a full queue can be made on purpose.
+    # One sequence at a time and one waiting request at most, so a full queue can be made on purpose;
+    # slowed steps (10 ms) keep a long request running while the queue fills, however loaded the machine.
     with ServerProcess(model, "--served-model-name", "tiny", "--max-num-seqs", "1",
                        "--max-waiting-requests", "1", "--max-request-body-bytes", str(BODY_LIMIT),
-                       "--stats-interval", "0", "--kv-cache-memory", "16MiB") as server:
+                       "--stats-interval", "0", "--kv-cache-memory", "16MiB",
+                       env={"GRACELM_TEST_HOOKS": '{"test_step_sleep_s": 0.01}'}) as server:
         yield server
 
 

@@ -17,7 +17,7 @@ from tests.process_checks import assert_nothing_left
 from tests.tiny_models import tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-BASE = {"max_model_len": 256, "extra": {"torch_threads": 1}}
+BASE = {"max_model_len": 256, "num_threads": 1}
 # One block of the tiny model's cache: 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes.
 TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
 
@@ -180,7 +180,7 @@ async def _wait_until(predicate, engine: AsyncEngine, timeout: float = 20.0) -> 
 def test_async_streams_and_aborts_mid_prefill_and_mid_decode_leak_nothing(model):
     long_run = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     # A token budget of 2 makes the 250-token prompt's prefill last over a hundred steps.
-    engine = AsyncEngine(model, max_num_batched_tokens=2, max_model_len=512, extra={"torch_threads": 1})
+    engine = AsyncEngine(model, max_num_batched_tokens=2, max_model_len=512, num_threads=1)
 
     async def scenario():
         # Streaming: cumulative outputs, the last one finished, the text growing.

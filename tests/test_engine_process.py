@@ -22,7 +22,7 @@ from gracelm.engine.errors import EngineDeadError
 from tests.process_checks import assert_nothing_left
 from tests.tiny_models import tiny_model
 
-TINY = {"kv_cache_memory": "1MiB", "extra": {"torch_threads": 1}}
+TINY = {"kv_cache_memory": "1MiB", "num_threads": 1}
 
 
 @pytest.fixture(scope="module")

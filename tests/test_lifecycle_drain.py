@@ -26,9 +26,9 @@ def model() -> str:
 
 
 def serve(model: str, *args: str, step_sleep: float = 0.01) -> ServerProcess:
-    hooks = {"torch_threads": 1, "test_step_sleep_s": step_sleep}
+    hooks = {"test_step_sleep_s": step_sleep}
     return ServerProcess(model, "--kv-cache-memory", "4MiB", "--stats-interval", "0",
-                         "--max-model-len", "512",
+                         "--max-model-len", "512", "--num-threads", "1",
                          *args, env={"GRACELM_TEST_HOOKS": json.dumps(hooks)})
 
 
@@ -58,7 +58,9 @@ def assert_aborted_explicitly(stream, max_tokens: int) -> None:
 
 def test_sigterm_lets_eight_streams_finish_and_reports_every_resource(model, tmp_path):
     report_path = tmp_path / "report.json"
-    server = serve(model, "--shutdown-timeout", "30", "--shutdown-report", str(report_path))
+    # A stats interval, so that the server runs a background task (the stats logger) the report must list.
+    server = serve(model, "--shutdown-timeout", "30", "--shutdown-report", str(report_path),
+                   "--stats-interval", "3600")
     streams = start_streams(server.url, 8, max_tokens=200)
     server.capture()
     server.process.send_signal(signal.SIGTERM)

@@ -5,7 +5,9 @@ the server serves on. Every test ends with nothing of the server left."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import signal
 import threading
 import time
@@ -15,7 +17,7 @@ import psutil
 import pytest
 
 from gracelm.lifecycle.runtime_dir import PREFIX, runtime_base
-from tests.server_process import ServerProcess, start_streams
+from tests.server_process import ServerProcess, Stream, start_streams
 from tests.tiny_models import tiny_model
 
 
@@ -25,9 +27,9 @@ def model() -> str:
 
 
 def serve(model: str, *args: str, wait_ready: bool = True, **hooks) -> ServerProcess:
-    hooks = {"torch_threads": 1, "test_step_sleep_s": 0.02, **hooks}
+    hooks = {"test_step_sleep_s": 0.02, **hooks}
     return ServerProcess(model, "--kv-cache-memory", "4MiB", "--stats-interval", "0",
-                         "--max-model-len", "512", *args, wait_ready=wait_ready,
+                         "--max-model-len", "512", "--num-threads", "1", *args, wait_ready=wait_ready,
                          env={"GRACELM_TEST_HOOKS": json.dumps(hooks)})
 
 
@@ -155,3 +157,139 @@ def test_sigterm_while_the_weights_load_abandons_the_start(model):
     log = finish(server, 0, within=15)
     assert "start-up abandoned: SIGTERM" in log
     assert not list(runtime_base().glob(f"{PREFIX}{server.pid}-*"))
+
+
+ENDED = re.compile(r"engine core ended \((\w+)\): (.*)$")
+
+
+def ended_lines(log: str) -> list[tuple[str, str, str]]:
+    """Every `engine core ended (<reason>): <message>` line of the log: (reason, message, the whole line)."""
+    found = []
+    for line in log.splitlines():
+        m = ENDED.search(line)
+        if m:
+            found.append((m.group(1), m.group(2), line))
+    return found
+
+
+def assert_one_end(log: str, reason: str) -> str:
+    """Exactly one end line in the log, with `reason` (and no other reason's); returns its message. A fatal
+    end is logged at ERROR, a requested stop at INFO."""
+    ends = ended_lines(log)
+    assert [r for r, _, _ in ends] == [reason], f"end lines: {[line for _, _, line in ends]}\n{log[-5000:]}"
+    (_, message, line), = ends
+    level = "INFO" if reason == "stopped" else "ERROR"
+    assert f" {level} " in line, line
+    return message
+
+
+def leave_nothing_behind(server: ServerProcess, core: psutil.Process) -> None:
+    """After a test that failed early: resumes and kills the core (stopped, it might outlive everything
+    else) and then the whole server, by pid."""
+    with contextlib.suppress(psutil.Error):
+        core.resume()
+        core.kill()
+    if server.process.poll() is None:
+        server.kill()
+
+
+def wait_stopped(process: psutil.Process, within: float = 2.0) -> None:
+    """SIGSTOP takes effect asynchronously: a process running on another CPU stops a moment later."""
+    deadline = time.monotonic() + within
+    while process.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"pid {process.pid} not stopped: {process.status()}"
+        time.sleep(0.01)
+
+
+def test_sigstop_of_an_idle_core_then_a_request_is_fatal_within_the_hang_timeout(model):
+    hang_timeout = 2.0
+    server = serve(model, "--engine-hang-timeout", str(hang_timeout))
+    core = core_of(server)
+    try:
+        core.suspend()  # SIGSTOP, while no request is pending
+        wait_stopped(core)
+        # Idle, a frozen core is nobody's concern: for longer than the hang timeout nothing happens.
+        idle_until = time.monotonic() + hang_timeout + 1.0
+        while time.monotonic() < idle_until:
+            assert httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200, server.log()[-5000:]
+            assert server.process.poll() is None, server.log()[-5000:]
+            time.sleep(0.1)
+        assert not ended_lines(server.log()), server.log()[-5000:]
+        assert core.status() == psutil.STATUS_STOPPED
+        # Work sent to it makes it due: no progress for the hang timeout is a hang.
+        sent = time.monotonic()
+        stream = Stream(server.url, max_tokens=50)
+        plain: list[httpx.Response] = []
+        plain_thread = plain_request(server.url, plain)
+        health = health_once_failure_known(server.url, within=hang_timeout + 5)
+        failed_after = time.monotonic() - sent
+        stream.join(15)
+        plain_thread.join(15)
+        answered_after = time.monotonic() - sent
+        assert health == 503
+        assert hang_timeout - 0.1 < failed_after < hang_timeout + 3, failed_after
+        assert answered_after < hang_timeout + 4, answered_after
+        assert stream.error is None, stream.error
+        assert stream.events[-1] == "[DONE]" and len(stream.errors) == 1, stream.events
+        assert stream.errors[0]["code"] == "engine_dead" and "hung" in stream.errors[0]["message"]
+        assert plain and plain[0].status_code == 500, plain
+        error = plain[0].json()["error"]
+        assert error["code"] == "engine_dead" and error["type"] == "server_error", error
+        assert "hung" in error["message"], error
+        log = finish(server, 1, within=10)  # the stopped core must have been killed
+        assert not core.is_running()
+        message = assert_one_end(log, "hung")
+        assert f"engine core pid {core.pid} hung: no step finished for" in message
+        assert error["message"] == f"the engine is dead: {message}"
+    finally:
+        leave_nothing_behind(server, core)
+
+
+def _drive_by_request(server: ServerProcess) -> Stream:
+    stream = Stream(server.url, max_tokens=400)
+    return stream.join(30)
+
+
+def _drive_by_kill(server: ServerProcess) -> Stream:
+    (stream,) = start_streams(server.url, 1, max_tokens=400)
+    time.sleep(0.3)
+    core_of(server).kill()
+    return stream.join(30)
+
+
+def _drive_by_sigterm(server: ServerProcess) -> Stream:
+    (stream,) = start_streams(server.url, 1, max_tokens=40)
+    server.process.send_signal(signal.SIGTERM)  # the running request finishes, then the core stops
+    return stream.join(30)
+
+
+@pytest.mark.parametrize(("args", "hooks", "drive", "code", "reason", "says"), [
+    pytest.param((), {"test_exit_after_steps": 5}, _drive_by_request, 1, "exited", "exited with code 5",
+                 id="exited"),
+    pytest.param((), {}, _drive_by_kill, 1, "killed", "killed by SIGKILL", id="killed"),
+    pytest.param((), {"test_raise_after_steps": 5}, _drive_by_request, 1, "raised",
+                 "RuntimeError: failure injected by the test hook", id="raised"),
+    pytest.param(("--engine-hang-timeout", "1"), {"test_hang_after_steps": 5}, _drive_by_request, 1, "hung",
+                 "hung: no step finished", id="hung"),
+    pytest.param((), {}, _drive_by_sigterm, 0, "stopped", "stopped on request", id="stopped"),
+])
+def test_each_end_of_the_core_gives_one_event_with_its_reason(model, args, hooks, drive, code, reason, says):
+    server = serve(model, *args, **hooks)
+    core = core_of(server)
+    try:
+        stream = drive(server)
+        log = finish(server, code, within=15)
+        message = assert_one_end(log, reason)
+        assert says in message, message
+        if reason in ("exited", "killed", "hung", "stopped"):
+            assert f"engine core pid {core.pid} " in message, message
+        assert stream.error is None, stream.error
+        assert stream.events[-1] == "[DONE]", stream.events
+        if code == 0:
+            assert not stream.errors and stream.finish_reasons == ["length"], stream.events
+            assert stream.completion_tokens == 40
+        else:  # the in-flight request failed, with the one end's message
+            assert [e["code"] for e in stream.errors] == ["engine_dead"], stream.events
+            assert stream.errors[0]["message"] == f"the engine is dead: {message}"
+    finally:
+        leave_nothing_behind(server, core)

@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-from gracelm.engine.request import Request, RequestStatus
+from gracelm.engine.request import Request, RequestStatus, check_prompt
 from gracelm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from gracelm.model_step import SampledToken
 from gracelm.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -34,18 +35,18 @@ class FakeModel:
         self.block_size = config.block_size
         self.slots: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_blocks)]
 
-    def step(self, output: SchedulerOutput) -> dict[str, int]:
+    def step(self, output: SchedulerOutput) -> list[SampledToken]:
         bs = self.block_size
         for item in output.scheduled:  # write every new token's "KV" first, as a forward pass does
             tokens = item.request.all_token_ids
             for pos in range(item.start_position, item.start_position + item.num_new_tokens):
                 self.slots[item.block_ids[pos // bs]][pos % bs] = tokens[pos]
-        sampled = {}
+        sampled = []
         for item in output.scheduled:
             if item.samples:
                 end = item.start_position + item.num_new_tokens
                 context = [self.slots[item.block_ids[pos // bs]][pos % bs] for pos in range(end)]
-                sampled[item.request.request_id] = next_token(context)
+                sampled.append(SampledToken(next_token(context)))
         return sampled
 
 
@@ -337,11 +338,12 @@ def test_unlimited_max_tokens_runs_to_max_model_len():
 
 
 def test_too_long_or_empty_prompt_is_refused_at_admission():
+    # The frontend checks a prompt once, before it reaches the scheduler (`check_prompt`).
     scheduler = Scheduler(config(max_model_len=32))
     with pytest.raises(ValueError, match=r"33 tokens, more than max_model_len \(32\)"):
-        scheduler.add_request(make_request("long", list(range(33))))
+        check_prompt(list(range(33)), max_model_len=32, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="empty"):
-        scheduler.add_request(make_request("empty", []))
+        check_prompt([], max_model_len=32, vocab_size=VOCAB)
     assert scheduler.num_waiting == 0 and not scheduler.has_unfinished_requests()
     scheduler.add_request(make_request("ok", [1]))
     with pytest.raises(ValueError, match="already in use"):

@@ -20,7 +20,7 @@ from gracelm.config import EngineConfig
 from gracelm.engine.errors import EngineDeadError
 from gracelm.lifecycle.ledger import Outcome, ResourceKind
 from gracelm.parallel.executor import Executor
-from gracelm.parallel.sharding import ShardingError, check_parallel_config
+from gracelm.parallel.layout import ShardingError, check_parallel_config
 from tests.process_checks import assert_nothing_left
 from tests.server_process import ServerProcess, free_port
 from tests.tiny_models import make_tiny_model
@@ -29,8 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 60))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-ONE_THREAD = {"torch_threads": 1}
-HOOKS_ENV = {"GRACELM_TEST_HOOKS": '{"torch_threads": 1}'}
+ONE_THREAD = {"num_threads": 1}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def _engine(model: Path, tp: int, **kwargs) -> Engine:
-    return Engine(str(model), tensor_parallel_size=tp, kv_cache_memory="4MiB", extra=dict(ONE_THREAD),
+    return Engine(str(model), tensor_parallel_size=tp, kv_cache_memory="4MiB", **ONE_THREAD,
                   **kwargs)
 
 
@@ -79,7 +78,7 @@ def test_indivisible_heads_are_refused_before_any_process(models):
 
 def test_executor_shutdown_reports_each_ranks_teardown(models):
     config = EngineConfig(model=str(models["llama"]), tensor_parallel_size=2, kv_cache_memory="1MiB",
-                          extra=dict(ONE_THREAD))
+                          **ONE_THREAD)
     executor = Executor(config)
     executor.load_model()
     blocks = executor.available_kv_blocks()
@@ -128,7 +127,7 @@ def _record(errors: list[BaseException], function, *args) -> None:
 
 def test_serve_tp2_equals_tp1(models, tp1_outputs):
     with ServerProcess(models["llama"], "--tensor-parallel-size", "2", "--kv-cache-memory", "4MiB",
-                       env=HOOKS_ENV) as server:
+                       "--num-threads", "1") as server:
         assert len([c for c in server.children if "gracelm::worker" in " ".join(c.cmdline())]) == 1
         assert _completions(server.url) == [text for _, text in tp1_outputs["llama"]]
 
@@ -149,15 +148,14 @@ class TwoNodes:
 
     def __init__(self, model: Path) -> None:
         self.addr = f"127.0.0.1:{free_port()}"
-        common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", self.addr]
+        common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", self.addr,
+                  "--num-threads", "1"]
         self.node1 = subprocess.Popen(
             [str(Path(sys.executable).parent / "gracelm"), "serve", "--model", str(model), *common,
              "--node-rank", "1"],
-            env={**os.environ, **HOOKS_ENV},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            self.node0 = ServerProcess(model, *common, "--node-rank", "0", "--kv-cache-memory", "4MiB",
-                                       env=HOOKS_ENV)
+            self.node0 = ServerProcess(model, *common, "--node-rank", "0", "--kv-cache-memory", "4MiB")
         except BaseException:
             self.node1.kill()
             self.node1.wait()

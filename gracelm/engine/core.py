@@ -1,6 +1,6 @@
 """The engine core: scheduler + executor behind a ZMQ busy loop, run in a process of its own.
 
-The loop is receive → schedule → execute → postprocess → send. With no request pending it blocks on the
+The loop is receive → step (schedule → execute → update) → send. With no request pending it blocks on the
 input socket (a poll without timeout), so an idle server costs no CPU.
 
 Shutdown follows a small state machine: RUNNING → REQUESTED (a `Shutdown` message arrived; new requests
@@ -13,44 +13,38 @@ Failure reporting: a loop that raises sends `FatalError` with its traceback, clo
 sends SIGQUIT to its parent when the parent handles that signal (the server's supervisor does; a user's
 program running the offline `Engine` may not, and the default action of SIGQUIT would kill it).
 
-Test-only hooks, read from `EngineConfig.extra` (never set them in production): `test_slow_load_s` sleeps
-before the model loads, `test_step_sleep_s` slows every step (so that requests stay in flight for a known
-time), `test_raise_after_steps` and `test_hang_after_steps` make the loop raise or hang once that many steps
-have run.
+Test-only hooks (`lifecycle/test_hooks.py`, never set in production) slow the load or the steps, or make
+the loop raise, hang or exit once a number of steps have run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 
 import zmq
 
+from gracelm.arith import cdiv
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
+from gracelm.engine.messages import CoreState
 from gracelm.engine.request import Request
 from gracelm.engine.scheduler import Scheduler, SchedulerConfig
 from gracelm.lifecycle.exit_codes import ExitCode
+from gracelm.lifecycle.heartbeat import Heartbeat
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
+from gracelm.lifecycle.processes import exit_process
 from gracelm.lifecycle.stacks import catches_signal
-from gracelm.lifecycle.watchdog import Heartbeat
+from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.parallel.executor import Executor
 
 logger = logging.getLogger(__name__)
 # How long the core's last messages (final outputs, a fatal error report) may wait for the frontend.
 _SEND_LINGER_MS = 2000
-
-
-class CoreState(enum.Enum):
-    RUNNING = "running"
-    REQUESTED = "requested"
-    SHUTTING_DOWN = "shutting_down"
 
 
 class EngineCore:
@@ -63,49 +57,42 @@ class EngineCore:
             loaded = self.executor.load_model()
             self.model_name = loaded.name
             self.model_config = loaded.config
+            self.tokenizer = loaded.tokenizer
             self.max_model_len, num_blocks = self._size_kv_cache()
-            self.executor.init_kv_cache(num_blocks)
-            self.scheduler = Scheduler(SchedulerConfig(
+            # Checked before the cache is allocated: it refuses a cache too small for one request.
+            scheduler_config = SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 num_blocks=num_blocks,
                 block_size=config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
-            ))
+            )
+            self.executor.init_kv_cache(num_blocks)
+            self.scheduler = Scheduler(scheduler_config)
         except BaseException:
             self.executor.shutdown()
             raise
-        self.num_blocks = num_blocks
         self.num_preemptions = 0
         self.state = CoreState.RUNNING
         logger.info("engine core ready: %s, max_model_len %d, %d KV blocks of %d tokens", self.model_name,
                     self.max_model_len, num_blocks, config.block_size)
 
     def _size_kv_cache(self) -> tuple[int, int]:
-        """max_model_len and the number of KV blocks; a clear error when not even one request fits."""
-        block_size = self.config.block_size
+        """max_model_len and the number of KV blocks."""
         model_limit = self.model_config.max_position_embeddings
         requested = self.config.max_model_len
         if requested is not None and requested > model_limit:
             raise ValueError(f"max_model_len {requested} exceeds the model's limit of {model_limit} tokens "
                              f"(max_position_embeddings)")
         available = self.executor.available_kv_blocks()
-        capacity = available * block_size
-        if requested is None:
-            max_model_len = min(model_limit, capacity)
+        max_model_len = requested
+        if max_model_len is None:
+            max_model_len = max(1, min(model_limit, available * self.config.block_size))
             if max_model_len < model_limit:
                 logger.warning("max_model_len capped to %d tokens, what the KV cache holds", max_model_len)
-        else:
-            max_model_len = requested
-        needed = -(-max_model_len // block_size)
-        if max_model_len < 1 or needed > available:
-            raise ValueError(
-                f"not enough KV-cache memory: {available} blocks ({capacity} tokens) fit, one request of "
-                f"max_model_len {max_model_len} tokens needs {needed} blocks; raise kv_cache_memory or lower "
-                f"max_model_len")
         # Never more blocks than max_num_seqs full-length requests can use: the rest would be idle memory.
-        useful = needed * self.config.max_num_seqs
+        useful = cdiv(max_model_len, self.config.block_size) * self.config.max_num_seqs
         return max_model_len, min(available, useful)
 
     def add_request(self, add: msg.AddRequest) -> list[msg.TokenOutput]:
@@ -116,8 +103,7 @@ class EngineCore:
                           tuple(add.eos_token_ids), add.arrival_time)
         try:
             self.scheduler.add_request(request)
-        except ValueError as e:
-            # The frontend validates first; this is a last line of defence, not a crash of the core.
+        except ValueError as e:  # an id in use: the frontend's bug, not a crash of the core
             logger.warning("request %s refused: %s", add.request_id, e)
             return [msg.TokenOutput(add.request_id, None, "abort")]
         return []
@@ -132,21 +118,16 @@ class EngineCore:
         return self.abort_requests([request.request_id for request in pending])
 
     def step(self) -> list[msg.TokenOutput]:
+        """Schedule → execute → update: one token for each request whose last token was computed."""
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if not scheduled.scheduled:
             return []
-        sampled = self.executor.execute_model(scheduled)
-        updates = self.scheduler.update_from_output(
-            scheduled, {request_id: token.token_id for request_id, token in sampled.items()})
-        outputs = []
-        for update in updates:
-            token = sampled[update.request_id]
-            outputs.append(msg.TokenOutput(update.request_id, update.token_id, update.finish_reason,
-                                           update.stop_reason, token.logprob, token.top_ids,
-                                           token.top_logprobs))
+        sampled = self.executor.execute(scheduled.model_step(self.config.block_size))
+        updates = self.scheduler.update_from_output(scheduled, sampled)
         self.executor.release_requests([u.request_id for u in updates if u.finished])
-        return outputs
+        return [msg.TokenOutput(u.request_id, u.token_id, u.finish_reason, u.stop_reason, u.sampled.logprob,
+                                u.sampled.top_ids, u.sampled.top_logprobs) for u in updates]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -175,9 +156,7 @@ class EngineCoreProc:
         self._deadline: float | None = None
         self._utilities = {"stats": core.stats}
         self._steps = 0
-        self._raise_after = core.config.extra.get("test_raise_after_steps")
-        self._hang_after = core.config.extra.get("test_hang_after_steps")
-        self._step_sleep = core.config.extra.get("test_step_sleep_s")
+        self._hooks = active_test_hooks()
 
     def run(self) -> None:
         """Serves until a `Shutdown`'s deadline passes or nothing is left to finish; then aborts the rest."""
@@ -185,25 +164,29 @@ class EngineCoreProc:
             # Once a stop is requested, never block: with nothing left to finish, the loop must end now.
             self._receive(block=not self.core.has_unfinished_requests()
                           and self.core.state is CoreState.RUNNING)
+            self.heartbeat.beat()
             if self._stop_due():
                 break
-            pending = self.core.has_unfinished_requests()
-            self.heartbeat.beat(pending)
-            if pending:
+            if self.core.has_unfinished_requests():
                 self._send_outputs(self.core.step())
                 self._steps += 1
                 self._test_hooks()
-                self.heartbeat.beat(self.core.has_unfinished_requests())
+                self.heartbeat.beat()
         self.core.set_state(CoreState.SHUTTING_DOWN)
         self._send_outputs(self.core.abort_all())
-        self.heartbeat.beat(False)
 
     def _test_hooks(self) -> None:
-        if self._step_sleep:
-            time.sleep(self._step_sleep)
-        if self._raise_after is not None and self._steps >= self._raise_after:
+        hooks = self._hooks
+        if not hooks:
+            return
+        if hooks.get("test_step_sleep_s"):
+            time.sleep(hooks["test_step_sleep_s"])
+        if self._steps >= hooks.get("test_raise_after_steps", float("inf")):
             raise RuntimeError(f"failure injected by the test hook after {self._steps} steps")
-        if self._hang_after is not None and self._steps >= self._hang_after:
+        if self._steps >= hooks.get("test_exit_after_steps", float("inf")):
+            logger.warning("exiting with code 5 on purpose (test hook) after %d steps", self._steps)
+            os._exit(5)
+        if self._steps >= hooks.get("test_hang_after_steps", float("inf")):
             logger.warning("hanging on purpose (test hook) after %d steps", self._steps)
             while True:
                 time.sleep(3600)
@@ -279,17 +262,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         context.term()
     if exit_code is ExitCode.FATAL:
         _signal_parent()
-    # Everything is released by now; the interpreter's own teardown (torch and friends) would add about
-    # a second to every stop for nothing.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    exit_process(exit_code)
 
 
 def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.Socket,
            heartbeat: Heartbeat) -> ExitCode:
-    slow_load = config.extra.get("test_slow_load_s")
+    slow_load = active_test_hooks().get("test_slow_load_s")
     if slow_load:
         logger.warning("delaying the model load by %.1f s (test hook)", slow_load)
         time.sleep(slow_load)
@@ -305,9 +283,8 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
     executor_reports: list[ShutdownReport] = []
     ledger.acquire(ResourceKind.MODEL, f"engine core: executor of {core.model_name}",
                    lambda: executor_reports.append(core.executor.shutdown()), timeout=30)
-    output_socket.send(msg.encode(msg.Ready(os.getpid(), core.max_model_len, core.num_blocks,
-                                            config.block_size, core.model_name,
-                                            dataclasses.asdict(core.model_config))))
+    output_socket.send(msg.encode(msg.Ready(core.max_model_len, core.model_name,
+                                            dataclasses.asdict(core.model_config), core.tokenizer.to_dict())))
     try:
         EngineCoreProc(core, input_socket, output_socket, heartbeat).run()
     except Exception as e:

@@ -8,7 +8,7 @@ the window ends in an incomplete character (U+FFFD) nothing is emitted and the t
 
 from __future__ import annotations
 
-from typing import Any
+from gracelm.model.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens kept as left context, so that the first generated token decodes as it would mid-text.
@@ -16,16 +16,16 @@ _CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    """Text of one completion. `hf_tokenizer` is a transformers (fast) tokenizer.
+    """Text of one completion, decoded with the model's `Tokenizer`.
 
     `stop` strings end the completion at their first occurrence (even when it spans tokens) and are not
     part of the text. `stream_delta()` never hands out text that could still turn out to begin a stop
     string, so a streamed reply never shows a stop string, nor a part of one.
     """
 
-    def __init__(self, hf_tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None = None,
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
                  skip_special_tokens: bool = True) -> None:
-        self._tok = hf_tokenizer
+        self._tok = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -80,8 +80,7 @@ class IncrementalDetokenizer:
         return after[len(before):]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip_special,
-                                clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special)
 
     def _append(self, new_text: str) -> str | None:
         if not new_text:

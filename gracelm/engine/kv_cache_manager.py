@@ -13,6 +13,7 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from gracelm.arith import cdiv
 from gracelm.engine.request import Request
 
 # Seeds the chain; a change of the hashing scheme must change it, so that prefix caches saved to disk by
@@ -87,7 +88,7 @@ class KVCacheManager:
         if computed_blocks and request.block_ids:
             raise ValueError(f"request {request.request_id} already holds blocks; it cannot take a prefix")
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_needed = -(-num_tokens // self.block_size) - len(request.block_ids) - len(computed_blocks)
+        num_needed = cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(computed_blocks)
         # Cached blocks nobody holds count as free; reusing them as the prefix takes them out of the pool.
         num_reused_free = sum(1 for block in computed_blocks if self._ref_counts[block] == 0)
         if num_needed > self.num_free_blocks - num_reused_free:

@@ -3,14 +3,25 @@
 Frontend -> core: `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
 Core -> frontend: `Ready` or `StartupFailed` (the handshake), then `OutputsBatch`, `UtilityReply` and, at the
 end, `Stopped` (what the core released, for the shutdown report) or, if the core crashes, `FatalError`.
+The frontend's reader of these is the core's monitor (`core_monitor.py`).
 Every message is a tagged struct so one decoder reads a whole direction.
 """
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from gracelm.sampling_params import SamplingParams
+
+
+class CoreState(enum.Enum):
+    """The core's shutdown state machine (see `core.py`), part of what its `stats` call returns."""
+
+    RUNNING = "running"
+    REQUESTED = "requested"
+    SHUTTING_DOWN = "shutting_down"
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -42,12 +53,10 @@ class Shutdown(msgspec.Struct, tag=True):
 class Ready(msgspec.Struct, tag=True):
     """The core loaded the model and sized its KV cache; it now accepts requests."""
 
-    pid: int
     max_model_len: int
-    num_kv_blocks: int
-    block_size: int
     model_name: str
     model_config: dict  # `ModelConfig` fields
+    tokenizer: dict  # `Tokenizer.to_dict()`: the frontend rebuilds it without transformers or torch
 
 
 class StartupFailed(msgspec.Struct, tag=True):

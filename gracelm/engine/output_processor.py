@@ -1,21 +1,23 @@
-"""Frontend bookkeeping of in-flight requests: core outputs in, detokenized `RequestOutput`s out.
+"""Frontend bookkeeping of in-flight requests: core outputs in, detokenized `RequestOutput` deltas out.
 
 A request with `n` completions is n core requests (ids `<request_id>/<i>`; seeds `seed + i`), gathered
-back here into one `RequestOutput`. Stop strings are found here, not in the core: a completion that hits
-one is finished at once and its core request must be aborted (`ProcessedOutputs.core_ids_to_abort`).
+back here into one `RequestOutput`. Each call of `process` gives, for every request that moved, one delta:
+the new tokens, text and logprobs of the completions that moved (see `outputs.py`). Stop strings are found
+here, not in the core: a completion that hits one is finished at once and its core request must be aborted
+(`ProcessedOutputs.core_ids_to_abort`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
 from gracelm.engine import messages as msg
 from gracelm.engine.detokenizer import IncrementalDetokenizer
 from gracelm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from gracelm.model.tokenizer import Tokenizer
 from gracelm.sampling_params import SamplingParams
 
 
@@ -25,24 +27,27 @@ class _Completion:
     core_id: str
     detokenizer: IncrementalDetokenizer
     wants_logprobs: bool
-    text: str = ""  # what has been released to the caller (a possible stop-string start is held back)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    cumulative_logprob: float = 0.0
+    # What is new since the last delta.
+    text: str = ""  # released text only: a possible stop-string start is held back by the detokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    moved: bool = False
 
-    def output(self) -> CompletionOutput:
-        return CompletionOutput(
-            index=self.index, text=self.text, token_ids=list(self.token_ids),
-            finish_reason=self.finish_reason,
-            logprobs=list(self.logprobs) if self.wants_logprobs else None,
+    def take_delta(self) -> CompletionOutput:
+        delta = CompletionOutput(
+            index=self.index, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason,
+            logprobs=self.logprobs if self.wants_logprobs else None,
             cumulative_logprob=self.cumulative_logprob if self.wants_logprobs else None,
             stop_reason=self.stop_reason)
+        self.text, self.token_ids, self.logprobs, self.moved = "", [], [], False
+        return delta
 
 
 @dataclass
-class RequestState:
+class _RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -53,52 +58,51 @@ class RequestState:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
 
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [c.output() for c in self.completions], self.finished, self.metrics)
+    def take_delta(self) -> RequestOutput:
+        moved = [c.take_delta() for c in self.completions if c.moved]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, moved, self.finished,
+                             self.metrics)
 
 
 @dataclass
 class ProcessedOutputs:
-    updated: list[RequestState]  # in first-update order; finished ones are no longer tracked
+    deltas: list[RequestOutput]  # one per request that moved, in first-update order
     core_ids_to_abort: list[str]
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer  # gracelm.model.tokenizer.Tokenizer
-        self._requests: dict[str, RequestState] = {}
-        self._by_core_id: dict[str, tuple[RequestState, _Completion]] = {}
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._by_core_id: dict[str, tuple[_RequestState, _Completion]] = {}
 
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
+    def has_unfinished(self) -> bool:
+        """Whether some core request is still expected to produce outputs."""
+        return bool(self._by_core_id)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float | None = None) -> list[msg.AddRequest]:
+                    params: SamplingParams) -> list[msg.AddRequest]:
         """Tracks a request; returns the core requests to send for it."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        arrival = time.time() if arrival_time is None else arrival_time
-        state = RequestState(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival))
+        arrival = time.time()
+        state = _RequestState(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival))
         adds = []
         for index in range(params.n):
             core_id = f"{request_id}/{index}"
             seed = None if params.seed is None else params.seed + index
-            detokenizer = IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, params.stop)
-            state.completions.append(_Completion(index, core_id, detokenizer, params.logprobs is not None))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            completion = _Completion(index, core_id, detokenizer, params.logprobs is not None)
+            state.completions.append(completion)
+            self._by_core_id[core_id] = (state, completion)
             core_params = msgspec.structs.replace(params, n=1, seed=seed)
             adds.append(msg.AddRequest(core_id, prompt_token_ids, core_params,
                                        list(self.tokenizer.eos_token_ids), arrival))
         self._requests[request_id] = state
-        for add, completion in zip(adds, state.completions, strict=True):
-            self._by_core_id[add.request_id] = (state, completion)
         return adds
 
     def process(self, outputs: list[msg.TokenOutput]) -> ProcessedOutputs:
-        updated: dict[str, RequestState] = {}
+        moved: dict[str, _RequestState] = {}
         to_abort: list[str] = []
         now = time.time()
         for out in outputs:
@@ -112,16 +116,16 @@ class OutputProcessor:
                 del self._by_core_id[completion.core_id]
             if out.token_id is not None and state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
-            updated[state.request_id] = state
-        for state in updated.values():
+            moved[state.request_id] = state
+        for state in moved.values():
             if state.finished:
                 state.metrics.finish_time = now
                 del self._requests[state.request_id]
-        return ProcessedOutputs(list(updated.values()), to_abort)
+        return ProcessedOutputs([state.take_delta() for state in moved.values()], to_abort)
 
-    def abort(self, request_id: str) -> tuple[RequestState | None, list[str]]:
-        """Finishes every unfinished completion of the request with "abort"; returns the state and the
-        core ids to abort."""
+    def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+        """Finishes every unfinished completion of the request with "abort"; returns its last delta and the
+        core ids to abort (None and [] for a request no longer tracked)."""
         state = self._requests.pop(request_id, None)
         if state is None:
             return None, []
@@ -132,13 +136,11 @@ class OutputProcessor:
                 del self._by_core_id[completion.core_id]
                 core_ids.append(completion.core_id)
         state.metrics.finish_time = time.time()
-        return state, core_ids
-
-    def request_ids(self) -> list[str]:
-        return list(self._requests)
+        return state.take_delta(), core_ids
 
     def _apply(self, completion: _Completion, out: msg.TokenOutput) -> bool:
         """Applies one core output; True when a stop string ended the completion here (abort it)."""
+        completion.moved = True
         if out.token_id is None:
             self._finish(completion, out.finish_reason or "abort")
             return False
@@ -169,10 +171,11 @@ class OutputProcessor:
         completion.cumulative_logprob += out.logprob
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.hf.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @staticmethod
     def _finish(completion: _Completion, reason: str, stop_reason: str | int | None = None) -> None:
+        completion.moved = True
         completion.detokenizer.finish()
         completion.text += completion.detokenizer.stream_delta()
         completion.finish_reason = reason

@@ -1,7 +1,13 @@
-"""What the engines return: vLLM-shaped request and completion outputs."""
+"""What the engines return: vLLM-shaped request and completion outputs.
+
+Outputs flow as deltas from the engine core to the consumer: each `RequestOutput` the output processor makes
+holds only what is new since the last one. A consumer that wants the whole answer so far (the offline
+`Engine`, `AsyncEngine.generate` by default) adds the deltas up with `RequestOutput.add`.
+"""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 
@@ -42,12 +48,40 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, delta: CompletionOutput) -> None:
+        """Appends a later delta of the same completion."""
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.cumulative_logprob is not None:
+            self.cumulative_logprob = delta.cumulative_logprob  # a running total already
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
 
 @dataclass
 class RequestOutput:
+    """A request's output: as a delta, `outputs` holds the completions that moved, each with what is new."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+
+    def add(self, delta: RequestOutput) -> None:
+        """Adds a later delta of the same request into this output (completions matched by index)."""
+        by_index = {o.index: o for o in self.outputs}
+        for part in delta.outputs:
+            if part.index in by_index:
+                by_index[part.index].add(part)
+            else:
+                self.outputs.append(copy.deepcopy(part))
+        self.outputs.sort(key=lambda o: o.index)
+        self.finished = delta.finished
+        self.metrics = delta.metrics
+
+    def copy(self) -> RequestOutput:
+        return copy.deepcopy(self)

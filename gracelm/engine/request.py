@@ -84,3 +84,24 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot run; `too_long` tells a context overflow from other faults."""
+
+    def __init__(self, message: str, too_long: bool = False) -> None:
+        super().__init__(message)
+        self.too_long = too_long
+
+
+def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """The one check of a prompt, before anything is queued: non-empty, known token ids, and shorter than
+    `max_model_len`, so that at least one token can be generated within the context. Raises `PromptError`."""
+    if not prompt_token_ids:
+        raise PromptError("the prompt is empty")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
+        raise PromptError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        raise PromptError(f"the prompt has {len(prompt_token_ids)} tokens, more than max_model_len "
+                          f"({max_model_len}) allows: a prompt must be shorter than max_model_len, to leave "
+                          f"room for a generated token", too_long=True)

@@ -12,8 +12,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from gracelm.arith import cdiv
 from gracelm.engine.kv_cache_manager import KVCacheManager
 from gracelm.engine.request import Request, RequestStatus
+from gracelm.model_step import ModelStep, SampledToken, StepBatch
 
 
 @dataclass
@@ -27,9 +29,18 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None  # caps one request's prefill chunk per step
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        blocks_per_request = cdiv(self.max_model_len, self.block_size)
+        if blocks_per_request > self.num_blocks:
+            # Otherwise a lone long request could never be scheduled, and waiting for it would never end.
+            raise ValueError(
+                f"not enough KV-cache memory: {self.num_blocks} blocks of {self.block_size} tokens = "
+                f"{self.num_blocks * self.block_size} tokens fit, one request of max_model_len "
+                f"{self.max_model_len} tokens ({blocks_per_request} blocks) does not; raise "
+                f"kv_cache_memory or lower max_model_len"
+            )
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise ValueError(f"long_prefill_token_threshold must be at least 1, got "
                              f"{self.long_prefill_token_threshold}")
@@ -50,27 +61,53 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
 
+    @property
+    def sampling(self) -> list[ScheduledRequest]:
+        """The scheduled requests that sample a token this step, in batch order (the logits' order)."""
+        return [item for item in self.scheduled if item.samples]
+
+    def model_step(self, block_size: int) -> ModelStep:
+        """The step as the executor takes it: the token rows of one forward pass and, for each row that
+        samples, its request's sampling inputs."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        for item in self.scheduled:
+            start, end = item.start_position, item.start_position + item.num_new_tokens
+            input_ids.extend(item.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(item.block_ids[pos // block_size] * block_size + pos % block_size
+                         for pos in range(start, end))
+            if item.samples:
+                logits_indices.append(len(input_ids) - 1)
+        width = max(len(item.block_ids) for item in self.scheduled)
+        batch = StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                          query_lens=[item.num_new_tokens for item in self.scheduled],
+                          seq_lens=[item.start_position + item.num_new_tokens for item in self.scheduled],
+                          block_tables=[item.block_ids + [0] * (width - len(item.block_ids))
+                                        for item in self.scheduled],
+                          logits_indices=logits_indices)
+        sampling = [item.request for item in self.sampling]
+        return ModelStep(batch, [r.request_id for r in sampling], [r.sampling_params for r in sampling],
+                         [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling])
+
 
 @dataclass(frozen=True)
 class RequestUpdate:
     request_id: str
-    token_id: int
+    sampled: SampledToken
     finished: bool
     finish_reason: str | None  # "stop" | "length" once finished
     stop_reason: int | None  # the stop_token_ids entry that ended it
 
+    @property
+    def token_id(self) -> int:
+        return self.sampled.token_id
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
-        blocks_per_request = -(-config.max_model_len // config.block_size)
-        if blocks_per_request > config.num_blocks:
-            # Otherwise a lone long request could never be scheduled, and waiting for it would never end.
-            raise ValueError(
-                f"the KV cache ({config.num_blocks} blocks of {config.block_size} tokens = "
-                f"{config.num_blocks * config.block_size} tokens) cannot hold one request of max_model_len "
-                f"{config.max_model_len} tokens ({blocks_per_request} blocks); give the KV cache more memory "
-                f"or lower max_model_len"
-            )
         self.config = config
         self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -89,14 +126,8 @@ class Scheduler:
         return bool(self._requests)
 
     def add_request(self, request: Request) -> None:
-        """Queues a request last; refuses, queueing nothing, one that could never run."""
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {request.request_id}: the prompt is empty")
-        if request.num_prompt_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"request {request.request_id}: the prompt has {request.num_prompt_tokens} tokens, more than "
-                f"max_model_len ({self.config.max_model_len})"
-            )
+        """Queues a request last. Its prompt was checked by the frontend (`request.check_prompt`); a request
+        whose id is in use is refused, queueing nothing."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
@@ -132,27 +163,27 @@ class Scheduler:
             budget -= self._add(output, request, num_new)
         return output
 
-    def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[RequestUpdate]:
-        """Records a step's results: computed tokens, newly full blocks, sampled tokens and stops."""
+    def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestUpdate]:
+        """Records a step's results: computed tokens, newly full blocks, sampled tokens and stops.
+        `sampled` holds one token per request of `output.sampling`, in that order."""
         updates = []
         any_finished = False
+        tokens = iter(sampled)
         for item in output.scheduled:
             request = item.request
+            token = next(tokens) if item.samples else None
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_full_blocks(request)
-            if not item.samples:
+            if token is None:
                 continue
-            token_id = sampled_token_ids[request.request_id]
-            request.append_output_token(token_id)
-            status = self._stop_status(request, token_id)
+            request.append_output_token(token.token_id)
+            status = self._stop_status(request, token.token_id)
             if status is not None:
                 self._finish(request, status)
                 any_finished = True
-            updates.append(RequestUpdate(request.request_id, token_id, request.is_finished,
+            updates.append(RequestUpdate(request.request_id, token, request.is_finished,
                                          request.finish_reason, request.stop_reason))
         if any_finished:
             self.running = [request for request in self.running if not request.is_finished]

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gracelm.entrypoints.openai_protocol import ErrorInfo, ErrorResponse
+from gracelm.lifecycle.server_state import AdmissionRefused
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(AdmissionRefused)
+    async def _refused(_: Request, exc: AdmissionRefused) -> JSONResponse:
+        headers = {"Retry-After": "1", **({"Connection": "close"} if exc.close else {})}
+        return APIError(503, str(exc), code=exc.code, headers=headers).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

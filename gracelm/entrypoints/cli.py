@@ -1,83 +1,21 @@
 """The `gracelm` command: `gracelm serve ...` (the HTTP server) and `gracelm generate ...` (one prompt,
-streamed to stdout). Engine options are shared by both and map one to one onto `EngineConfig`."""
+streamed to stdout). The engine's options come from `EngineConfig` and the server's from `ServerConfig`,
+each declared once (`gracelm.options`); a bad value is a usage error (exit code 2) before anything starts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import os
 import sys
 
+from gracelm import options
 from gracelm.config import EngineConfig
+from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.lifecycle.exit_codes import ExitCode
 
-# TEST-ONLY: a JSON object merged into `EngineConfig.extra`, for the lifecycle tests to inject failures into a
-# real server (`test_slow_load_s`, `test_raise_after_steps`, `test_hang_after_steps`; see engine/core.py).
-# Never set it in production.
-TEST_HOOKS_ENV = "GRACELM_TEST_HOOKS"
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineConfig()
-    group = parser.add_argument_group("model and engine")
-    group.add_argument("--model", default=None,
-                       help="a Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    group.add_argument("--tensor-parallel-size", type=int, default=defaults.tensor_parallel_size)
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="prompt plus output tokens of one request (default: the model's limit)")
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
-                       help="requests run together at most")
-    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
-                       help="tokens computed per step at most (longer prefills are chunked)")
-    group.add_argument("--block-size", type=int, default=defaults.block_size,
-                       help="tokens per KV-cache block")
-    group.add_argument("--kv-cache-memory", default=None,
-                       help="KV-cache size, e.g. 2GiB (default: a share of the available memory)")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="do not reuse the KV cache of identical prompt prefixes")
-    group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
-                       help="seconds running requests may take to finish at a stop (0: abort at once)")
-    group.add_argument("--drain-grace-period", type=float, default=defaults.drain_grace_period,
-                       help="seconds to keep accepting new requests after readiness turns 503 at a stop")
-    group.add_argument("--engine-hang-timeout", type=float, default=defaults.engine_hang_timeout,
-                       help="seconds without step progress, with work pending, before a fatal stop (0: off)")
-    group.add_argument("--shutdown-report", default=None, help="write the shutdown report as JSON here")
-    group.add_argument("--nnodes", type=int, default=defaults.nnodes, help="machines in the parallel group")
-    group.add_argument("--node-rank", type=int, default=defaults.node_rank, help="this machine's rank")
-    group.add_argument("--dist-init-addr", default=None,
-                       help="HOST:PORT of the torch.distributed rendezvous (needed when nnodes > 1)")
-    group.add_argument("--seed", type=int, default=defaults.seed, help="seed of requests that have none")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Raises `ValueError` on invalid values."""
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-        shutdown_timeout=args.shutdown_timeout, drain_grace_period=args.drain_grace_period,
-        engine_hang_timeout=args.engine_hang_timeout, shutdown_report=args.shutdown_report,
-        nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr, seed=args.seed,
-        extra=_test_hooks(),
-    )
-
-
-def _test_hooks() -> dict:
-    text = os.environ.get(TEST_HOOKS_ENV)
-    if not text:
-        return {}
-    try:
-        hooks = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{TEST_HOOKS_ENV} is not valid JSON: {e}") from None
-    if not isinstance(hooks, dict):
-        raise ValueError(f"{TEST_HOOKS_ENV} must be a JSON object")
-    logging.getLogger(__name__).warning("test-only hooks active: %s", hooks)
-    return hooks
+logger = logging.getLogger("gracelm.cli")
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,11 +30,11 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Streams the completion of one prompt to stdout, as it is generated."""
-    from gracelm.engine.engine import AsyncEngine
+    from gracelm.engine.async_engine import AsyncEngine
     from gracelm.sampling_params import SamplingParams
 
     try:
-        config = engine_config_from_args(args)
+        config = options.from_args(EngineConfig, args)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 stop=args.stop)
     except ValueError as e:
@@ -120,57 +58,61 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 async def _stream(engine, prompt: str | list[int], params) -> None:
-    printed = 0
-    async for output in engine.generate(prompt, params, request_id="cli"):
-        text = output.outputs[0].text
-        sys.stdout.write(text[printed:])
+    async for output in engine.generate(prompt, params, request_id="cli", delta=True):
+        sys.stdout.write(output.outputs[0].text if output.outputs else "")
         sys.stdout.flush()
-        printed = len(text)
     sys.stdout.write("\n")
     sys.stdout.flush()
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    if args.nnodes > 1 and args.node_rank > 0:
-        return _run_headless(args)
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        _merge_model_argument(args)
+        engine_config = options.from_args(EngineConfig, args)
+        server_config = ServerConfig.from_args(args)
+    except ValueError as exc:
+        logger.error("invalid options: %s", exc)
+        return ExitCode.USAGE
+    if engine_config.nnodes > 1 and engine_config.node_rank > 0:
+        # A node other than node 0 serves no HTTP: it runs its tensor-parallel worker ranks for node 0.
+        from gracelm.parallel.headless import run_headless
+
+        return run_headless(engine_config)
+    # The server's module pulls in FastAPI and uvicorn: imported only to serve.
     from gracelm.entrypoints.api_server import run_server
 
-    return run_server(args)
+    return run_server(engine_config, server_config)
 
 
-def _run_headless(args: argparse.Namespace) -> int:
-    """A node other than node 0 serves no HTTP: it runs its tensor-parallel worker ranks for node 0."""
-    from gracelm.parallel.headless import run_headless
+def _merge_model_argument(args: argparse.Namespace) -> None:
+    """`gracelm serve MODEL` and `gracelm serve --model MODEL` mean the same; both at once must agree."""
+    positional = args.model_path
+    if positional is None:
+        return
+    given = getattr(args, "model", None)
+    if given is not None and given != positional:
+        raise ValueError(f"two different models given: {positional!r} and --model {given!r}")
+    args.model = positional
 
-    try:
-        config = engine_config_from_args(args)
-    except ValueError as e:
-        print(f"gracelm serve: {e}", file=sys.stderr)
-        return ExitCode.USAGE
-    return run_headless(config)
 
-
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gracelm", description="An LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_engine_arguments(serve)
-    # The server's module pulls in FastAPI and uvicorn: imported only when the command is `serve`.
-    if argv[:1] == ["serve"]:
-        from gracelm.entrypoints.api_server import add_serve_arguments
-
-        add_serve_arguments(serve)
-    serve.set_defaults(handler=_run_serve)
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                       help="a Hugging Face model directory or a .gguf file (same as --model)")
+    options.add_arguments(serve.add_argument_group("model and engine"), EngineConfig)
+    options.add_arguments(serve.add_argument_group("HTTP server"), ServerConfig)
+    serve.set_defaults(handler=run_serve)
     generate = commands.add_parser("generate", help="generate from one prompt, streamed to stdout")
-    add_engine_arguments(generate)
+    options.add_arguments(generate.add_argument_group("model and engine"), EngineConfig)
     _add_generate_arguments(generate)
     generate.set_defaults(handler=run_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     level = logging.INFO if args.command == "serve" else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.handler(args)

@@ -50,6 +50,11 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed request asked for the usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")

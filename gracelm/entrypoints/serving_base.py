@@ -1,44 +1,46 @@
-"""What the chat and completion endpoints share: validation, admission, running a request in the engine
-with its metrics, watching the client so a disconnect aborts the request at once, and SSE framing.
+"""What the chat and completion endpoints share: sampling parameters from a request, the prompt's checks,
+admission, running a request in the engine with its metrics, watching the client so that a disconnect
+aborts the request at once, and SSE framing. Each endpoint writes its own SSE loop over the engine's deltas.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from gracelm.engine.request import PromptError
 from gracelm.entrypoints.api_errors import APIError, from_value_error
+from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import SamplingFields, Usage
-from gracelm.entrypoints.server_state import Admission, Lifecycle, ServerState
-from gracelm.metrics import ServerMetrics
+from gracelm.lifecycle.server_state import Admission, ServerState
 from gracelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-# Renders one choice's new tokens: (output, first unsent token, first unsent character) -> an SSE event.
-ChoiceChunk = Callable[[CompletionOutput, int, int], str]
+DONE = "data: [DONE]\n\n"
 
 
 class ServingBase:
     """One endpoint's access to the engine; subclasses turn requests and outputs into OpenAI's shapes."""
 
-    def __init__(self, engine, state: ServerState, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, state: ServerState, metrics: ServerMetrics,
+                 model_name: str) -> None:
         self.engine = engine
         self.state = state
         self.metrics = metrics
         self.model_name = model_name
-        self.max_model_len: int = engine.config.max_model_len
 
     @staticmethod
     def new_request_id(prefix: str) -> str:
@@ -63,47 +65,64 @@ class ServingBase:
         except ValueError as exc:
             raise from_value_error(exc) from None
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
-        """Refuses prompts that leave no room, or not `max_tokens` of room, in the context."""
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but this model's context is "
-                                f"{limit} tokens; shorten the prompt", param=prompt_param,
-                           code="context_length_exceeded")
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise APIError(400, f"this model's context is {limit} tokens, but {num_prompt_tokens} prompt "
+    def check_room(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
+        """Room for `max_tokens` after a prompt that fits: a 400 naming max_tokens. The prompt itself is the
+        engine's to check (`start`), once."""
+        limit = self.engine.config.max_model_len
+        assert limit is not None
+        if max_tokens is not None and len(prompt_token_ids) <= limit < len(prompt_token_ids) + max_tokens:
+            raise APIError(400, f"this model's context is {limit} tokens, but {len(prompt_token_ids)} prompt "
                                 f"tokens plus max_tokens={max_tokens} exceed it; lower max_tokens",
                            param="max_tokens", code="context_length_exceeded")
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       admission: Admission) -> AsyncIterator[RequestOutput]:
-        """The engine's cumulative outputs for one request, with metrics; closing it aborts the request.
-
-        The caller releases `admission` when the request leaves; this marks it started at the first output.
-        """
-        tracker = self.metrics.request_tracker(len(prompt_token_ids))
-        last: RequestOutput | None = None
+    def start(self, prompt_token_ids: list[int], params: SamplingParams, id_prefix: str,
+              prompt_param: str) -> Run:
+        """Admits the request and starts it in the engine, which checks the prompt (a 400 naming
+        `prompt_param`). Its deltas come with metrics; closing them aborts the request. The admission is
+        released when the answer ends (`sse`, `final_output`); it is marked started at the first output."""
+        request_id = self.new_request_id(id_prefix)
+        admission = self.state.admit()
         try:
-            stream = self.engine.generate(prompt_token_ids, params, request_id)
-            async with contextlib.aclosing(stream) as outs:
-                async for out in outs:
-                    admission.started()
-                    tracker.on_output(sum(len(o.token_ids) for o in out.outputs))
-                    last = out
-                    yield out
-        except ValueError as exc:
-            raise from_value_error(exc) from None
+            deltas = self.engine.generate(prompt_token_ids, params, request_id, delta=True)
+        except PromptError as exc:
+            admission.release()
+            code = "context_length_exceeded" if exc.too_long else "invalid_prompt"
+            raise APIError(400, str(exc), param=prompt_param, code=code) from None
         except EngineDeadError as exc:
-            self.state.set(Lifecycle.DEAD)
-            raise APIError(500, f"the engine is dead: {exc}", code="engine_dead") from None
-        finally:
-            if last is not None:  # a request the engine refused outright never ran: nothing to count
-                tracker.on_finish([o.finish_reason for o in last.outputs])
+            admission.release()
+            raise _engine_dead(exc) from None
+        except BaseException:
+            admission.release()
+            raise
+        return Run(request_id, admission, self._tracked(deltas, len(prompt_token_ids), admission))
 
-    async def final_output(self, raw_request: Request,
-                           outputs: AsyncGenerator[RequestOutput]) -> RequestOutput:
-        """The last output of a request, unless the client leaves first: then the request is aborted."""
-        collect = asyncio.ensure_future(_last(outputs))
+    async def _tracked(self, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
+                       admission: Admission) -> AsyncGenerator[RequestOutput]:
+        tracker = self.metrics.request_tracker(num_prompt_tokens)
+        finish_reasons: dict[int, str | None] = {}
+        try:
+            async with contextlib.aclosing(deltas) as outs:
+                async for delta in outs:
+                    admission.started()
+                    tracker.on_output(sum(len(o.token_ids) for o in delta.outputs))
+                    finish_reasons.update((o.index, o.finish_reason) for o in delta.outputs)
+                    yield delta
+        except EngineDeadError as exc:
+            raise _engine_dead(exc) from None
+        finally:
+            if finish_reasons:  # a request that never produced anything is not counted
+                tracker.on_finish(list(finish_reasons.values()))
+
+    async def final_output(self, raw_request: Request, run: Run) -> RequestOutput:
+        """The whole answer of a request, unless the client leaves first: then the request is aborted."""
+        try:
+            return await self._final_output(raw_request, run.deltas)
+        finally:
+            run.admission.release()
+
+    async def _final_output(self, raw_request: Request,
+                            deltas: AsyncGenerator[RequestOutput]) -> RequestOutput:
+        collect = asyncio.ensure_future(_whole(deltas))
         disconnect = asyncio.ensure_future(_wait_for_disconnect(raw_request))
         try:
             await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -113,7 +132,7 @@ class ServingBase:
         if not collect.done() or collect.cancelled():
             with contextlib.suppress(asyncio.CancelledError):
                 await collect
-            await outputs.aclose()  # aborts the request in the engine, also if the task never started
+            await deltas.aclose()  # aborts the request in the engine, also if the task never started
             logger.info("client disconnected; request aborted")
             raise APIError(499, "the client closed the connection", code="client_closed_request")
         final = collect.result()
@@ -121,60 +140,79 @@ class ServingBase:
             raise aborted_error()
         return final
 
-    async def stream(self, outputs: AsyncIterator[RequestOutput], n: int, first: list[str],
-                     choice_chunk: ChoiceChunk, usage_chunk: Callable[[Usage], str] | None,
-                     ) -> AsyncGenerator[str]:
-        """A request's SSE events: `first`, then a chunk for each choice that moved
-        (`choice_chunk(output, its first unsent token, its first unsent char)`), the usage chunk if asked,
-        an error event if the request was aborted, and `[DONE]` in every case, so that no client waits on
-        a stream that has ended."""
-        sent_chars, sent_tokens, done = [0] * n, [0] * n, [False] * n
-        last: RequestOutput | None = None
-        try:
-            for event in first:
-                yield event
-            async for last in outputs:
-                for o in last.outputs:
-                    i = o.index
-                    if done[i] or (len(o.token_ids) == sent_tokens[i] and not o.finished):
-                        continue
-                    event = choice_chunk(o, sent_tokens[i], sent_chars[i])
-                    sent_chars[i], sent_tokens[i], done[i] = len(o.text), len(o.token_ids), o.finished
-                    yield event
-            if usage_chunk is not None and last is not None:
-                yield usage_chunk(usage_of(last))
-            if last is not None and any(o.finish_reason == "abort" for o in last.outputs):
-                yield sse_data(aborted_error().body())
-        except APIError as exc:
-            yield sse_data(exc.body())
-        yield "data: [DONE]\n\n"
-
     def token_text(self, token_id: int, logprob: Logprob) -> str:
         if logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.engine.tokenizer.decode([token_id])
 
     @staticmethod
-    def sse(events: AsyncGenerator[str], admission: Admission) -> StreamingResponse:
-        return _AdmittedStream(events, admission)
+    def sse(events: AsyncGenerator[str], run: Run) -> StreamingResponse:
+        """The response of an endpoint's SSE events over `run`, ended as every stream ends (`_ended`)."""
+        return _AdmittedStream(_ended(events), run)
+
+
+@dataclasses.dataclass
+class Run:
+    """A request started in the engine: its id, its admission, and its deltas."""
+
+    request_id: str
+    admission: Admission
+    deltas: AsyncGenerator[RequestOutput]
+
+
+class StreamTally:
+    """What a stream's loop counts as it goes: completion tokens (for the usage chunk) and whether the
+    server aborted the request (for the error event it then ends with)."""
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.completion_tokens = 0
+        self.aborted = False
+
+    def add(self, output: CompletionOutput) -> None:
+        self.completion_tokens += len(output.token_ids)
+        self.aborted = self.aborted or output.finish_reason == "abort"
+
+    def usage(self) -> Usage:
+        return usage_of(self.num_prompt_tokens, self.completion_tokens)
+
+
+def aborted_event() -> str:
+    """The event after the last chunk of a request the server aborted: never a silent end after half an
+    answer."""
+    return sse_data(aborted_error().body())
+
+
+async def _ended(events: AsyncGenerator[str]) -> AsyncGenerator[str]:
+    """`events`, then an error event if they raised an `APIError` (the engine died), and `[DONE]` in every
+    case. Closing this closes `events`, which aborts the request in the engine."""
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                yield event
+        except APIError as exc:
+            yield sse_data(exc.body())
+    yield DONE
 
 
 class _AdmittedStream(StreamingResponse):
     """An SSE response that, however it ends (done, client gone, cancelled, never started), closes its
-    event generator, which aborts the request in the engine, and releases the request's admission."""
+    events and the request's deltas, which aborts the request in the engine at once, and releases the
+    request's admission."""
 
-    def __init__(self, events: AsyncGenerator[str], admission: Admission) -> None:
+    def __init__(self, events: AsyncGenerator[str], run: Run) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
-        self._admission = admission
+        self._run = run
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()
-            self._admission.release()
+            await self._run.deltas.aclose()
+            self._run.admission.release()
 
 
 def sse_data(payload: BaseModel | dict | str, exclude: set[str] | None = None) -> str:
@@ -187,10 +225,14 @@ def sse_data(payload: BaseModel | dict | str, exclude: set[str] | None = None) -
     return f"data: {text}\n\n"
 
 
-def usage_of(out: RequestOutput) -> Usage:
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(o.token_ids) for o in out.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def usage_of(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                 total_tokens=num_prompt_tokens + num_completion_tokens)
+
+
+def final_usage(num_prompt_tokens: int, final: RequestOutput) -> Usage:
+    """The usage of a whole answer: every choice's tokens."""
+    return usage_of(num_prompt_tokens, sum(len(o.token_ids) for o in final.outputs))
 
 
 def aborted_error() -> APIError:
@@ -198,13 +240,20 @@ def aborted_error() -> APIError:
     return APIError(503, "the request was aborted by the server before it finished", code="request_aborted")
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
-    async for out in outputs:
-        last = out
-    if last is None:
+def _engine_dead(exc: EngineDeadError) -> APIError:
+    return APIError(500, f"the engine is dead: {exc}", code="engine_dead")
+
+
+async def _whole(deltas: AsyncIterator[RequestOutput]) -> RequestOutput:
+    whole: RequestOutput | None = None
+    async for delta in deltas:
+        if whole is None:
+            whole = delta
+        else:
+            whole.add(delta)
+    if whole is None:
         raise APIError(500, "the engine returned no output")
-    return last
+    return whole
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:

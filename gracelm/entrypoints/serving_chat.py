@@ -25,7 +25,7 @@ from gracelm.entrypoints.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from gracelm.entrypoints.serving_base import ServingBase, sse_data, usage_of
+from gracelm.entrypoints.serving_base import ServingBase, StreamTally, aborted_event, final_usage, sse_data
 
 
 class ServingChat(ServingBase):
@@ -41,18 +41,19 @@ class ServingChat(ServingBase):
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=top)
         prompt_ids = self._apply_template(req.messages)
-        self.check_length(len(prompt_ids), max_tokens, "messages")
-        request_id = self.new_request_id("chatcmpl")
-        admission = self.state.admit()
-        outputs = self.generate(prompt_ids, params, request_id, admission)
+        self.check_room(prompt_ids, max_tokens)
+        run = self.start(prompt_ids, params, "chatcmpl", "messages")
+        request_id = run.request_id
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self.sse(self._events(request_id, outputs, params.n, top, include_usage), admission)
-        try:
-            final = await self.final_output(raw_request, outputs)
-        finally:
-            admission.release()
-        return JSONResponse(self._response(request_id, final, top).model_dump())
+            events = self._stream(request_id, run.deltas, len(prompt_ids), params.n, top, req.include_usage)
+            return self.sse(events, run)
+        final = await self.final_output(raw_request, run)
+        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
+                              logprobs=self._logprobs(o, top), finish_reason=o.finish_reason)
+                   for o in final.outputs]
+        usage = final_usage(len(prompt_ids), final)
+        body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        return JSONResponse(body.model_dump())
 
     def _apply_template(self, messages: list[ChatMessage]) -> list[int]:
         plain = [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(messages)]
@@ -62,40 +63,39 @@ class ServingChat(ServingBase):
             raise APIError(400, f"the messages do not fit the model's chat template: {exc}",
                            param="messages") from None
 
-    def _response(self, request_id: str, final: RequestOutput, top: int | None) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
-                              logprobs=self._logprobs(o, 0, top), finish_reason=o.finish_reason)
-                   for o in final.outputs]
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=usage_of(final))
-
-    def _events(self, request_id: str, outputs: AsyncIterator[RequestOutput], n: int, top: int | None,
-                include_usage: bool) -> AsyncGenerator[str]:
+    async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
+                      n: int, top: int | None, include_usage: bool) -> AsyncGenerator[str]:
+        """The SSE chunks of one request: a role chunk per choice, a chunk per delta of each choice, then
+        the usage chunk if asked and an error event if the server aborted it (`sse` adds `[DONE]`)."""
         created = int(time.time())
-        exclude = None if include_usage else {"usage"}
+        tally = StreamTally(num_prompt_tokens)
+        for index in range(n):
+            role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            yield self._chunk(request_id, created, include_usage, role)
+        async for delta in deltas:
+            for o in delta.outputs:
+                tally.add(o)
+                content = DeltaMessage(content=o.text) if o.text else DeltaMessage()
+                choice = ChatChunkChoice(index=o.index, delta=content, logprobs=self._logprobs(o, top),
+                                         finish_reason=o.finish_reason)
+                yield self._chunk(request_id, created, include_usage, choice)
+        if include_usage:
+            yield self._chunk(request_id, created, True, None, tally.usage())
+        if tally.aborted:
+            yield aborted_event()
 
-        def chunk(choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
-            return sse_data(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
-                                                choices=[choice] if choice else [], usage=usage), exclude)
+    def _chunk(self, request_id: str, created: int, include_usage: bool, choice: ChatChunkChoice | None,
+               usage: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                    choices=[choice] if choice else [], usage=usage)
+        return sse_data(chunk, None if include_usage else {"usage"})
 
-        def choice_chunk(o: CompletionOutput, start_token: int, start_char: int) -> str:
-            text = o.text[start_char:]
-            delta = DeltaMessage(content=text) if text else DeltaMessage()
-            logprobs = self._logprobs(o, start_token, top)
-            return chunk(ChatChunkChoice(index=o.index, delta=delta, logprobs=logprobs,
-                                         finish_reason=o.finish_reason))
-
-        roles = [chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-                 for i in range(n)]
-        usage = (lambda u: chunk(None, u)) if include_usage else None
-        return self.stream(outputs, n, roles, choice_chunk, usage)
-
-    def _logprobs(self, o: CompletionOutput, start: int, top: int | None) -> ChatLogprobs | None:
-        """OpenAI's per-token logprobs for the tokens of `o` from position `start` on."""
+    def _logprobs(self, o: CompletionOutput, top: int | None) -> ChatLogprobs | None:
+        """OpenAI's per-token logprobs for the tokens of `o`."""
         if top is None or o.logprobs is None:
             return None
         content = []
-        for token_id, candidates in zip(o.token_ids[start:], o.logprobs[start:], strict=False):
+        for token_id, candidates in zip(o.token_ids, o.logprobs, strict=False):
             ranked = sorted(candidates.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top]
             alternatives = [TopLogprob(token=self.token_text(t, lp), logprob=lp.logprob,
                                        bytes=list(self.token_text(t, lp).encode())) for t, lp in ranked]

@@ -17,7 +17,7 @@ from gracelm.entrypoints.openai_protocol import (
     CompletionResponse,
     Usage,
 )
-from gracelm.entrypoints.serving_base import ServingBase, sse_data, usage_of
+from gracelm.entrypoints.serving_base import ServingBase, StreamTally, aborted_event, final_usage, sse_data
 
 
 class ServingCompletion(ServingBase):
@@ -28,22 +28,18 @@ class ServingCompletion(ServingBase):
             raise APIError(400, "echo is not supported", param="echo")
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
         prompt_ids = self._prompt_ids(req.prompt)
-        self.check_length(len(prompt_ids), req.max_tokens, "prompt")
-        request_id = self.new_request_id("cmpl")
-        admission = self.state.admit()
-        outputs = self.generate(prompt_ids, params, request_id, admission)
+        self.check_room(prompt_ids, req.max_tokens)
+        run = self.start(prompt_ids, params, "cmpl", "prompt")
+        request_id = run.request_id
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._events(request_id, outputs, params.n, req.logprobs, include_usage)
-            return self.sse(events, admission)
-        try:
-            final = await self.final_output(raw_request, outputs)
-        finally:
-            admission.release()
+            events = self._stream(request_id, run.deltas, len(prompt_ids), params.n, req.logprobs,
+                                  req.include_usage)
+            return self.sse(events, run)
+        final = await self.final_output(raw_request, run)
         choices = [CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
-                                    logprobs=self._logprobs(o, 0, 0, req.logprobs)) for o in final.outputs]
-        body = CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=usage_of(final))
+                                    logprobs=self._logprobs(o, 0, req.logprobs)) for o in final.outputs]
+        usage = final_usage(len(prompt_ids), final)
+        body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
     def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
@@ -53,39 +49,40 @@ class ServingCompletion(ServingBase):
                 raise APIError(400, "batched prompts are not supported; send one prompt per request",
                                param="prompt")
             prompt = prompt[0]
-        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        # Checked here, not left to the engine: a stream has answered 200 before the engine sees the prompt.
-        vocab = self.engine.model_config.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return ids
+        return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def _events(self, request_id: str, outputs: AsyncIterator[RequestOutput], n: int,
-                top: int | None, include_usage: bool) -> AsyncGenerator[str]:
+    async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
+                      n: int, top: int | None, include_usage: bool) -> AsyncGenerator[str]:
+        """The SSE chunks of one request: a chunk per delta of each choice, then the usage chunk if asked
+        and an error event if the server aborted it (`sse` adds `[DONE]`)."""
         created = int(time.time())
-        exclude = None if include_usage else {"usage"}
+        text_offsets = [0] * n  # characters each choice has streamed so far, for logprobs' text_offset
+        tally = StreamTally(num_prompt_tokens)
+        async for delta in deltas:
+            for o in delta.outputs:
+                tally.add(o)
+                choice = CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
+                                          logprobs=self._logprobs(o, text_offsets[o.index], top))
+                text_offsets[o.index] += len(o.text)
+                yield self._chunk(request_id, created, include_usage, choice)
+        if include_usage:
+            yield self._chunk(request_id, created, True, None, tally.usage())
+        if tally.aborted:
+            yield aborted_event()
 
-        def chunk(choice: CompletionChoice | None, usage: Usage | None = None) -> str:
-            return sse_data(CompletionResponse(id=request_id, created=created, model=self.model_name,
-                                               choices=[choice] if choice else [], usage=usage), exclude)
+    def _chunk(self, request_id: str, created: int, include_usage: bool, choice: CompletionChoice | None,
+               usage: Usage | None = None) -> str:
+        # OpenAI streams the completions endpoint's chunks in the shape of its plain answer.
+        chunk = CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                   choices=[choice] if choice else [], usage=usage)
+        return sse_data(chunk, None if include_usage else {"usage"})
 
-        def choice_chunk(o: CompletionOutput, start_token: int, start_char: int) -> str:
-            return chunk(CompletionChoice(index=o.index, text=o.text[start_char:],
-                                          logprobs=self._logprobs(o, start_token, start_char, top),
-                                          finish_reason=o.finish_reason))
-
-        usage = (lambda u: chunk(None, u)) if include_usage else None
-        return self.stream(outputs, n, [], choice_chunk, usage)
-
-    def _logprobs(self, o: CompletionOutput, start: int, offset: int,
-                  top: int | None) -> CompletionLogprobs | None:
-        """The legacy logprobs object for tokens from `start` on, their text starting at char `offset`."""
+    def _logprobs(self, o: CompletionOutput, offset: int, top: int | None) -> CompletionLogprobs | None:
+        """The legacy logprobs object for the tokens of `o`, their text starting at char `offset`."""
         if top is None or o.logprobs is None:
             return None
         result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for token_id, candidates in zip(o.token_ids[start:], o.logprobs[start:], strict=False):
+        for token_id, candidates in zip(o.token_ids, o.logprobs, strict=False):
             text = self.token_text(token_id, candidates[token_id])
             ranked = sorted(candidates.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top]
             result.tokens.append(text)

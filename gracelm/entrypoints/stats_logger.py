@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 
-from gracelm.metrics import ServerMetrics
+from gracelm.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger("gracelm.stats")
 

@@ -96,6 +96,16 @@ class ShutdownReport:
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
+    def publish(self, path: str | Path | None) -> None:
+        """The one way a stop reports: the table in the log and, given a path, the JSON file."""
+        logger.info("shutdown report:\n%s", self.as_table())
+        if path:
+            self.to_json(path)
+
+
+# A release's bound in seconds, or a function that says it when the release begins.
+Timeout = float | Callable[[], float]
+
 
 class LedgerClosedError(RuntimeError):
     """`acquire` after `release_all` began: the caller still owns the resource and must release it."""
@@ -104,7 +114,7 @@ class LedgerClosedError(RuntimeError):
 class Handle:
     """One recorded resource; returned by `Ledger.acquire`, passed back to `Ledger.release`."""
 
-    def __init__(self, kind: ResourceKind, name: str, release: Callable[[], object], timeout: float,
+    def __init__(self, kind: ResourceKind, name: str, release: Callable[[], object], timeout: Timeout,
                  force: Callable[[], object] | None, force_timeout: float, inline: bool) -> None:
         self.kind = kind
         self.name = name
@@ -132,10 +142,12 @@ class Ledger:
         self._all_done = threading.Event()
 
     def acquire(self, kind: ResourceKind, name: str, release: Callable[[], object], *,
-                timeout: float = DEFAULT_TIMEOUT_S, force: Callable[[], object] | None = None,
+                timeout: Timeout = DEFAULT_TIMEOUT_S, force: Callable[[], object] | None = None,
                 force_timeout: float = DEFAULT_FORCE_TIMEOUT_S, inline: bool = False) -> Handle:
-        """Records a resource just acquired. `release` frees it within `timeout` s; if it does not (or
-        raises), `force` (if any) gets `force_timeout` s to free it the hard way."""
+        """Records a resource just acquired. `release` frees it within `timeout` s (a number, or a function
+        asked at release time when the bound depends on what happens meanwhile, such as a drain's
+        deadline); if it does not (or raises), `force` (if any) gets `force_timeout` s to free it the hard
+        way."""
         handle = Handle(kind, name, release, timeout, force, force_timeout, inline)
         with self._lock:
             if self._closing:
@@ -202,8 +214,8 @@ def _release(handle: Handle) -> tuple[Outcome, str | None]:
     if handle._inline:
         error = _call(handle._release)
     else:
-        error = _bounded(handle._release, handle._timeout,
-                         f"release did not finish within {handle._timeout} s")
+        timeout = handle._timeout() if callable(handle._timeout) else handle._timeout
+        error = _bounded(handle._release, timeout, f"release did not finish within {timeout:g} s")
     if error is None:
         return Outcome.RELEASED, None
     if handle._force is None:

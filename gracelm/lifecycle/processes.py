@@ -17,20 +17,23 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import importlib
 import logging
 import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
+import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import NoReturn, Protocol
 
 import psutil
 
+from gracelm.lifecycle.process_end import describe_exit
 from gracelm.lifecycle.signals import signals_blocked_for_child, unblock_child_signals
 from gracelm.lifecycle.stacks import install_child_stack_dump
 
@@ -39,6 +42,10 @@ logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _TERM_GRACE_S = 0.5
 _KILL_WAIT_S = 5.0
+# After a sentinel fires the child may take a moment more to become reapable.
+_REAP_WAIT_S = 1.0
+# How often a status lost to a concurrent reaper is asked for again.
+_REAP_POLL_S = 0.02
 
 
 class ChildProcess:
@@ -67,16 +74,12 @@ class ChildProcess:
     def is_alive(self) -> bool:
         return self.outcome is None and self.process.is_alive()
 
-    def describe_exit(self, wait: float = 1.0) -> str:
-        """How the child ended, e.g. "EngineCore (pid 7) was killed by SIGKILL". Waits up to `wait` s for
-        the exit status: the sentinel closes a moment before the kernel makes the status available."""
-        self.process.join(wait)
-        code = self.process.exitcode
-        if code is None:
-            return f"{self.name} (pid {self.pid}) is running"
-        if code < 0:
-            return f"{self.name} (pid {self.pid}) was killed by {signal.Signals(-code).name}"
-        return f"{self.name} (pid {self.pid}) exited with code {code}"
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
+
+    def describe_exit(self) -> str:
+        """How the child ended, e.g. "Worker-1 pid 7 killed by SIGKILL — out of memory? ..."."""
+        return describe_exit(self.name, self.pid, reaped_exitcode(self))
 
     def stop(self, timeout: float) -> str:
         """Waits up to `timeout` s for the child to exit, then forces it; idempotent. Returns how it ended."""
@@ -102,8 +105,10 @@ class ChildProcess:
         return outcome
 
 
-def start_process(name: str, title: str, target: Callable[..., Any], args: tuple = ()) -> ChildProcess:
-    """Starts `target(*args)` in a spawned child named `title` (e.g. "gracelm::engine-core")."""
+def start_process(name: str, title: str, target: str, args: tuple = ()) -> ChildProcess:
+    """Starts `target(*args)` in a spawned child named `title` (e.g. "gracelm::engine-core"). `target` is
+    "module:function", imported in the child only: the parent never imports what the child runs (the
+    HTTP process must not load torch for a core that does)."""
     ctx = mp.get_context("spawn")
     death_reader, death_writer = ctx.Pipe(duplex=False)
     # Not a daemon: daemonic processes may not start children of their own (tensor-parallel workers).
@@ -139,7 +144,7 @@ def _main_module_hidden() -> Iterator[None]:
 
 
 def _child_main(title: str, parent_pid: int, pdeathsig: bool, death_reader: Connection,
-                target: Callable[..., Any], args: tuple) -> None:
+                target: str, args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.enable()
@@ -147,7 +152,8 @@ def _child_main(title: str, parent_pid: int, pdeathsig: bool, death_reader: Conn
     unblock_child_signals()
     _set_title(title)
     _die_with_parent(parent_pid, pdeathsig, death_reader)
-    target(*args)
+    module, _, function = target.partition(":")
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def _set_title(title: str) -> None:
@@ -191,3 +197,30 @@ def _kill_leftovers(processes: list[psutil.Process]) -> None:
                 proc.kill()
         except psutil.Error:
             pass
+
+
+class Reapable(Protocol):
+    @property
+    def exitcode(self) -> int | None: ...
+    def join(self, timeout: float) -> None: ...
+
+
+def reaped_exitcode(child: Reapable) -> int | None:
+    """The child's exit status once it has ended; the sentinel closes a moment before the kernel makes the
+    status available, so this waits up to a second for it (None: still not reapable). Another thread may
+    be reaping the same child (its `stop`): a join that loses that race sees no status, so this asks again
+    until the winner has recorded it."""
+    deadline = time.monotonic() + _REAP_WAIT_S
+    while (exitcode := child.exitcode) is None and (left := deadline - time.monotonic()) > 0:
+        child.join(min(left, _REAP_POLL_S))
+    return exitcode
+
+
+def exit_process(code: int) -> NoReturn:
+    """Ends this process once everything it owns has been released (its ledger says so), without the
+    interpreter's teardown: with torch loaded that takes a second or more (measured 1.0-1.7 s) and frees
+    nothing the kernel does not. The log is flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,4 +1,4 @@
-"""The one directory an instance keeps its ipc sockets (and later pid and metrics files) in.
+"""The one directory an instance keeps its files in: ipc sockets, the heartbeat slot, Prometheus's files.
 
 It is named after the owner's pid — `gracelm-<pid>-<random>` under `$XDG_RUNTIME_DIR` (or the temp dir) —
 so that a directory left behind by a killed instance can be told apart from a live one's.

@@ -1,8 +1,8 @@
-"""The server's supervisor: the one place that acts on signals and on failures of the engine, and that runs
-the drain (DESIGN.md, "Lifecycle semantics").
+"""The server's supervisor: the one place that acts on signals and on the engine core's end, and that runs
+the drain (docs/architecture.md, "Lifecycle").
 
 It is the `SignalTarget` of the server's `SignalHandler`; every method runs in the server's event loop
-(failures seen by the engine's watcher threads are handed over with `call_soon_threadsafe`).
+(a fatal end announced by the core's monitor, from its thread, is handed over with `call_soon_threadsafe`).
 
 Graceful stop, in order: the state turns DRAINING (`/ready` 503 at once, `/health` 200); new requests are
 still admitted for the grace period, then refused with 503; the engine core is told to finish its running
@@ -10,23 +10,24 @@ requests within the shutdown timeout (counted from the end of the grace period) 
 that deadline, each of which ends explicitly (a stream with its abort chunk and an error event); once every
 admitted request is answered and the core has exited, uvicorn is asked to stop (listener and idle
 connections closed), and the caller releases the ledger. An immediate stop (a second signal, SIGQUIT)
-brings the core's deadline to now. A fatal failure turns the state DEAD (`/health` 503), fails what is in
-flight (the engine's streams raise, the routes answer 500 or an error event) and stops with exit code 1.
-Every wait here is woken by its event (the last answer, the core's process sentinel, a failure), never by
-a polling interval.
+brings the core's deadline to now. A fatal end of the core turns the state DEAD (`/health` 503) — the
+engine has already failed what was in flight (its streams raise, the routes answer 500 or an error
+event) — and stops with exit code 1. A child that fails sends its report, then SIGQUIT: whichever the
+supervisor hears first, the core's end decides, so the stop is a failure either way. Every wait here is
+woken by its event (the last answer, the core's end, a failure), never by a polling interval.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 
 import psutil
 
-from gracelm.entrypoints.server_state import Lifecycle, ServerState
 from gracelm.lifecycle.exit_codes import ExitCode
+from gracelm.lifecycle.process_end import ProcessEnd
+from gracelm.lifecycle.server_state import Lifecycle, ServerState
 from gracelm.lifecycle.signals import Decision
 from gracelm.lifecycle.stacks import dump_all_stacks, request_stack_dumps
 
@@ -34,8 +35,6 @@ logger = logging.getLogger("gracelm.supervisor")
 
 # Beyond the shutdown timeout, how long the drain waits for the answers and the core's exit.
 _DRAIN_SLACK_S = 10.0
-# A SIGQUIT from a failing core arrives right before it exits: wait this long for its death to be seen.
-_QUIT_SETTLE_S = 0.5
 # How long uvicorn waits for open connections once asked to stop after an immediate stop or a failure.
 _FAST_CLOSE_S = 1.0
 # After a fatal failure, how long the server still answers (`/health` 503, new requests 503) before its
@@ -50,7 +49,7 @@ class Supervisor:
         self.shutdown_timeout = shutdown_timeout
         self.drain_grace_period = drain_grace_period
         self.engine = None  # the AsyncEngine, once started
-        self.server = None  # the uvicorn.Server, once built
+        self.server = None  # the HTTP server (`entrypoints/http_server.py`), once built
         self.failure: str | None = None
         self._immediate = asyncio.Event()
         self._failed = asyncio.Event()
@@ -67,8 +66,6 @@ class Supervisor:
         self._start_drain()
 
     def immediate_stop(self, decision: Decision) -> None:
-        if decision.signal is signal.SIGQUIT:
-            self._loop.create_task(self._settle_quit(), name="sigquit-settle")
         self._immediate.set()
         if self.engine is not None:
             self.engine.begin_shutdown(0)
@@ -86,9 +83,9 @@ class Supervisor:
 
     # -- failures ------------------------------------------------------------------------------------
 
-    def on_engine_fatal(self, reason: str) -> None:
-        """The engine's `on_fatal`: called from a watcher thread."""
-        self._loop.call_soon_threadsafe(self.fail, reason)
+    def on_engine_fatal(self, end: ProcessEnd) -> None:
+        """The engine's `on_fatal`: called from the core monitor's thread."""
+        self._loop.call_soon_threadsafe(self.fail, end.message)
 
     def fail(self, reason: str) -> None:
         if self.failure is not None:
@@ -98,24 +95,10 @@ class Supervisor:
                      ExitCode.FATAL)
         self.state.set(Lifecycle.DEAD)
         self._failed.set()
-        if self.engine is not None:
-            self.engine.declare_failed(reason)
         self._immediate.set()
         if self.server is not None:
             self.server.config.timeout_graceful_shutdown = _FAST_CLOSE_S
-            self._loop.call_later(_DEAD_ANSWER_S, setattr, self.server, "should_exit", True)
-
-    async def _settle_quit(self) -> None:
-        """A child's SIGQUIT follows its fatal report; if the policy decided before the report was read,
-        the core's death (seen within milliseconds) still makes this stop a failure."""
-        if self.engine is None:
-            return
-        try:
-            await asyncio.wait_for(self.engine.wait_dead(), _QUIT_SETTLE_S)
-        except TimeoutError:
-            return
-        assert self.engine.dead_error is not None
-        self.fail(str(self.engine.dead_error))
+            self._loop.call_later(_DEAD_ANSWER_S, self.server.request_exit)
 
     # -- the drain -----------------------------------------------------------------------------------
 
@@ -146,13 +129,13 @@ class Supervisor:
         if self.state.alive:
             self.state.set(Lifecycle.STOPPING)
         if self.server is not None:
-            self.server.should_exit = True
+            self.server.request_exit()
 
     async def _drained_or_failed(self, timeout: float) -> bool:
         """Waits until every admitted request is answered and the core has exited, or `timeout` s pass;
         False if a failure came first (the failure path then stops the server)."""
         assert self.engine is not None
-        drained = asyncio.ensure_future(asyncio.gather(self.state.wait_idle(), self.engine.wait_core_exit()))
+        drained = asyncio.ensure_future(asyncio.gather(self.state.wait_idle(), self.engine.wait_end()))
         failed = asyncio.ensure_future(self._failed.wait())
         try:
             await asyncio.wait({drained, failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gracelm.model_step import StepBatch
+
 
 @dataclass
 class ForwardBatch:
@@ -25,6 +27,14 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     logits_indices: torch.Tensor  # [K] int64, rows of T whose logits are returned (e.g. each last token)
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
+    @classmethod
+    def from_step_batch(cls, batch: StepBatch) -> ForwardBatch:
+        return cls(
+            input_ids=torch.tensor(batch.input_ids, dtype=torch.int64),
+            positions=torch.tensor(batch.positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64),
+            query_lens=batch.query_lens,
+            seq_lens=batch.seq_lens,
+            block_tables=torch.tensor(batch.block_tables, dtype=torch.int64),
+            logits_indices=torch.tensor(batch.logits_indices, dtype=torch.int64),
+        )

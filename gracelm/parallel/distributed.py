@@ -12,46 +12,19 @@ the others' collectives fail at once.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 
 import torch.distributed as dist
 
 from gracelm.config import EngineConfig
+from gracelm.parallel.layout import LayoutError
 
 BACKEND = "gloo"
-# Long enough for the slowest legitimate step; the engine's hang watchdog is the finer net.
+# Long enough for the slowest legitimate step; the core monitor's hang timeout is the finer net.
 COLLECTIVE_TIMEOUT_S = 60.0
 # How long workers and rank 0 wait for each other at start-up (the other node may start later).
 RENDEZVOUS_TIMEOUT_S = 120.0
 _LOCAL_HOST = "127.0.0.1"
-
-
-class LayoutError(ValueError):
-    """The tensor-parallel size and the number of nodes do not fit together."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    world_size: int
-    nnodes: int
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> Layout:
-        if config.tensor_parallel_size % config.nnodes:
-            raise LayoutError(f"tensor_parallel_size={config.tensor_parallel_size} must be a multiple of "
-                              f"nnodes={config.nnodes}: every node holds the same number of ranks")
-        return cls(config.tensor_parallel_size, config.nnodes)
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
-
-    def node_ranks(self, node_rank: int) -> range:
-        return range(node_rank * self.ranks_per_node, (node_rank + 1) * self.ranks_per_node)
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
 
 
 def rendezvous_address(config: EngineConfig) -> tuple[str, int]:

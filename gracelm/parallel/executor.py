@@ -23,19 +23,19 @@ import threading
 import time
 
 from gracelm.config import EngineConfig, ModelConfig
-from gracelm.engine.scheduler import SchedulerOutput
 from gracelm.lifecycle.ledger import Ledger, Outcome, ResourceKind, ResourceReport, ShutdownReport
 from gracelm.model.loader import LoadedModel
+from gracelm.model_step import ModelStep, SampledToken
 from gracelm.parallel import messages as m
 from gracelm.parallel.distributed import (
     BACKEND,
     RENDEZVOUS_TIMEOUT_S,
-    Layout,
     destroy_process_group,
     init_process_group,
 )
-from gracelm.parallel.sharding import CommTimer, check_parallel_config
-from gracelm.parallel.worker import SampledToken, Worker, build_step_batch
+from gracelm.parallel.layout import Layout, check_parallel_config
+from gracelm.parallel.sharding import CommTimer
+from gracelm.parallel.worker import Worker
 from gracelm.parallel.worker_group import WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -103,17 +103,17 @@ class Executor:
         if self._group is not None:
             self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
 
-    def execute_model(self, step: SchedulerOutput) -> dict[str, SampledToken]:
-        batch = build_step_batch(step.scheduled, self.config.block_size)
+    def execute(self, step: ModelStep) -> list[SampledToken]:
+        """Runs one step on every rank; the sampled token of each row of `step.request_ids`, in order."""
         if self._group is None:
-            return self._driver.sample_step(batch, step)
+            return self._driver.sample_step(step)
         started = time.perf_counter()
-        batch.sent_at = time.time()
-        self._group.broadcast(batch)
+        step.batch.sent_at = time.time()
+        self._group.broadcast(step.batch)
         self.send_s += time.perf_counter() - started
         self.steps += 1
         try:
-            return self._driver.sample_step(batch, step)
+            return self._driver.sample_step(step)
         except RuntimeError as e:
             # A collective fails when a peer is gone; say which one, if the monitor can tell.
             death = self._group.wait_for_death(_DEATH_EXPLAIN_S)

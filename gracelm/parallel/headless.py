@@ -18,10 +18,9 @@ from gracelm.config import EngineConfig
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import ChildProcess, start_process
-from gracelm.parallel.distributed import Layout, rendezvous_address
-from gracelm.parallel.sharding import check_parallel_config
-from gracelm.parallel.worker_group import WORKER_STOP_TIMEOUT_S
-from gracelm.parallel.worker_process import run_worker
+from gracelm.parallel.distributed import rendezvous_address
+from gracelm.parallel.layout import Layout, check_parallel_config
+from gracelm.parallel.worker_group import WORKER_ENTRY, WORKER_STOP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ def run_headless(config: EngineConfig) -> int:
     workers: dict[int, ChildProcess] = {}
     try:
         for rank in layout.node_ranks(config.node_rank):
-            process = start_process(f"Worker-{rank}", f"gracelm::worker-{rank}", run_worker,
+            process = start_process(f"Worker-{rank}", f"gracelm::worker-{rank}", WORKER_ENTRY,
                                     (config, rank, layout.world_size, host, port,
                                      logging.getLogger().getEffectiveLevel()))
             workers[rank] = process

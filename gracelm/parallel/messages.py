@@ -1,37 +1,14 @@
 """The messages between rank 0 and the worker ranks, msgpack-encoded over one ZMQ DEALER pair per worker.
 
-A step travels as plain lists (what the scheduler produced, flattened): every rank turns the same lists
-into the same tensors, so the shards compute on identical inputs.
+A step travels as its `StepBatch` (plain lists, `gracelm.model_step`): every rank turns the same lists into
+the same tensors, so the shards compute on identical inputs.
 """
 
 from __future__ import annotations
 
 import msgspec
-import torch
 
-from gracelm.model.forward_batch import ForwardBatch
-
-
-class StepBatch(msgspec.Struct, tag=True, array_like=True):
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    logits_indices: list[int]
-    sent_at: float = 0.0  # time.time() on rank 0 when sent: the broadcast latency, seen by the worker
-
-    def to_forward_batch(self) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=torch.tensor(self.input_ids, dtype=torch.int64),
-            positions=torch.tensor(self.positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(self.slot_mapping, dtype=torch.int64),
-            query_lens=self.query_lens,
-            seq_lens=self.seq_lens,
-            block_tables=torch.tensor(self.block_tables, dtype=torch.int64),
-            logits_indices=torch.tensor(self.logits_indices, dtype=torch.int64),
-        )
+from gracelm.model_step import StepBatch
 
 
 # rank 0 -> worker

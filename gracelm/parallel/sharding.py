@@ -16,41 +16,16 @@ a decode step, so splitting it matters more than anything else.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gracelm.config import EngineConfig, ModelConfig
+from gracelm.arith import cdiv
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM
-from gracelm.model.loader import load_model_config
-from gracelm.parallel.distributed import Layout
-
-
-class ShardingError(ValueError):
-    """The model cannot be split across this many ranks."""
-
-
-def check_shardable(config: ModelConfig, world_size: int) -> None:
-    """Raises `ShardingError` naming every dimension that does not divide by `world_size`."""
-    dims = {"num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_key_value_heads,
-            "intermediate_size": config.intermediate_size}
-    bad = [f"{name}={value}" for name, value in dims.items() if value % world_size]
-    if bad:
-        raise ShardingError(
-            f"tensor_parallel_size={world_size} does not divide the model's {', '.join(bad)}; choose a "
-            f"size that divides the attention heads, the KV heads and the MLP width")
-
-
-def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
-    """The config one rank's shard has: its heads (what the KV cache of a rank is sized by)."""
-    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world_size,
-                               num_key_value_heads=config.num_key_value_heads // world_size,
-                               intermediate_size=config.intermediate_size // world_size)
+from gracelm.parallel.layout import check_shardable
 
 
 class CommTimer:
@@ -144,16 +119,8 @@ def _vocab_slice(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tens
     """This rank's rows of the [vocab, hidden] head, zero-padded so every rank's slice has the same size
     (the gather needs equal shapes; the padding logits are cut off on rank 0)."""
     vocab = weight.shape[0]
-    part = -(-vocab // world_size)
+    part = cdiv(vocab, world_size)
     rows = weight[rank * part: min((rank + 1) * part, vocab)]
     head = torch.zeros(part, weight.shape[1], dtype=weight.dtype)
     head[: rows.shape[0]] = rows
     return head
-
-
-def check_parallel_config(config: EngineConfig) -> None:
-    """Refuses a tensor-parallel size that the nodes or the model cannot split, reading only the model's
-    config: callable before any process starts."""
-    if config.tensor_parallel_size > 1:
-        Layout.from_config(config)
-        check_shardable(load_model_config(config.model), config.tensor_parallel_size)

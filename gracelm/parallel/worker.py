@@ -1,27 +1,27 @@
 """One rank of the model: its weights (or its shard of them), its KV cache and the per-request sampling
 state.
 
-A step arrives as a `StepBatch` (built once on rank 0 from the scheduler's output and, with tensor
-parallelism, sent as it is to the other ranks), becomes a `ForwardBatch` and runs through the model. Only
-rank 0 samples: the others run their shard of the forward pass and contribute to its collectives.
+A step arrives as a `ModelStep` on rank 0 (its `StepBatch`, with tensor parallelism, sent as it is to the
+other ranks), becomes a `ForwardBatch` and runs through the model. Only rank 0 samples: the others run their
+shard of the forward pass and contribute to its collectives.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import psutil
 import torch
 
 from gracelm.config import EngineConfig, ModelConfig, parse_size
-from gracelm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from gracelm.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
-from gracelm.parallel.messages import StepBatch
-from gracelm.parallel.sharding import TensorParallelModel, check_shardable, shard_config
+from gracelm.model_step import ModelStep, SampledToken, StepBatch
+from gracelm.parallel.layout import check_shardable, shard_config
+from gracelm.parallel.sharding import TensorParallelModel
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +30,6 @@ logger = logging.getLogger(__name__)
 # the batch sizes such a machine can compute.
 _DEFAULT_KV_SHARE = 0.25
 _DEFAULT_KV_CAP = 2**30
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_ids: list[int] | None = None
-    top_logprobs: list[float] | None = None
 
 
 class Worker:
@@ -62,7 +54,7 @@ class Worker:
         # matrices).
         local_ranks = self.world_size // self.config.nnodes
         share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
-        torch.set_num_threads(self.config.extra.get("torch_threads") or share)
+        torch.set_num_threads(self.config.num_threads or share)
         self.loaded = load_model(self.config.model, self.config.dtype)
         # Freezing fuses and repacks the HF-named linears, so it comes last: after sharding, which splits them
         # (the tensor-parallel shard freezes itself once split).
@@ -95,37 +87,26 @@ class Worker:
         self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
                                            self.loaded.dtype)
 
-    def execute_model(self, step: SchedulerOutput) -> dict[str, SampledToken]:
-        """Runs one step on this rank alone; the sampled token of every request whose last token was
-        computed."""
-        return self.sample_step(build_step_batch(step.scheduled, self.config.block_size), step)
-
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The step's logits (None on a rank other than 0 of a tensor-parallel group)."""
         assert self.loaded is not None
         model = self.shard if self.shard is not None else self.loaded.model
-        return model(batch.to_forward_batch(), self.kv_caches)
+        return model(ForwardBatch.from_step_batch(batch), self.kv_caches)
 
     @torch.inference_mode()
-    def sample_step(self, batch: StepBatch, step: SchedulerOutput) -> dict[str, SampledToken]:
-        """Rank 0: runs the forward pass of `batch` (the flattening of `step`) and samples."""
-        logits = self.forward(batch)
+    def sample_step(self, step: ModelStep) -> list[SampledToken]:
+        """Rank 0: runs the forward pass of the step and samples one token per row that samples."""
+        logits = self.forward(step.batch)
         assert logits is not None
-        sampling = [item.request for item in step.scheduled if item.samples]
-        if not sampling:
-            return {}
-        meta = SamplingMetadata.build(
-            [r.sampling_params for r in sampling],
-            [self._generator(r.request_id, r.sampling_params.seed) for r in sampling],
-            [r.prompt_token_ids for r in sampling],
-            [r.output_token_ids for r in sampling],
-            self.model_config.vocab_size,
-            default_generator=self._default_generator,
-        )
+        if not step.request_ids:
+            return []
+        generators = [self._generator(request_id, params.seed)
+                      for request_id, params in zip(step.request_ids, step.params, strict=True)]
+        meta = SamplingMetadata.build(step.params, generators, step.prompt_token_ids, step.output_token_ids,
+                                      self.model_config.vocab_size, default_generator=self._default_generator)
         out = sample(logits, meta)
-        return {r.request_id: self._sampled(out, row, r.sampling_params.logprobs)
-                for row, r in enumerate(sampling)}
+        return [self._sampled(out, row, params.logprobs) for row, params in enumerate(step.params)]
 
     def release_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -138,10 +119,6 @@ class Worker:
         self.shard = None
         self.loaded = None
         self._generators.clear()
-
-    def shutdown(self) -> None:
-        self.free_kv_cache()
-        self.free_model()
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         """A seeded request draws from its own generator, so its tokens do not depend on its batch mates."""
@@ -162,29 +139,3 @@ class Worker:
                 token.top_logprobs = out.top_logprobs[row, :num_logprobs].tolist()
         return token
 
-
-def build_step_batch(scheduled: list[ScheduledRequest], block_size: int) -> StepBatch:
-    """Flattens the scheduled requests into the token rows of one forward pass."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    logits_indices: list[int] = []
-    for item in scheduled:
-        start, end = item.start_position, item.start_position + item.num_new_tokens
-        input_ids.extend(item.request.all_token_ids[start:end])
-        blocks = item.block_ids
-        for pos in range(start, end):
-            positions.append(pos)
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-        if item.samples:
-            logits_indices.append(len(input_ids) - 1)
-    width = max(len(item.block_ids) for item in scheduled)
-    return StepBatch(
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=slots,
-        query_lens=[item.num_new_tokens for item in scheduled],
-        seq_lens=[item.start_position + item.num_new_tokens for item in scheduled],
-        block_tables=[item.block_ids + [0] * (width - len(item.block_ids)) for item in scheduled],
-        logits_indices=logits_indices,
-    )

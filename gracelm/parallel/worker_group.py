@@ -25,8 +25,8 @@ from gracelm.config import EngineConfig
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import ChildProcess, start_process
 from gracelm.parallel import messages as m
-from gracelm.parallel.distributed import Layout, channel_key, create_store, rendezvous_address
-from gracelm.parallel.worker_process import run_worker
+from gracelm.parallel.distributed import channel_key, create_store, rendezvous_address
+from gracelm.parallel.layout import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ _HEARTBEAT_TIMEOUT_MS = 1500
 _SEND_RETRY_MS = 50
 # A stop message, the worker's teardown and its report.
 WORKER_STOP_TIMEOUT_S = 10.0
+# What a worker process runs, named so that starting one imports nothing of it here.
+WORKER_ENTRY = "gracelm.parallel.worker_process:run_worker"
 
 
 class WorkerDiedError(RuntimeError):
@@ -90,7 +92,7 @@ class WorkerGroup:
         self.store.set(channel_key(rank), f"tcp://{host}:{port}")
 
     def _start_local(self, config: EngineConfig, ledger: Ledger, rank: int, host: str) -> None:
-        process = start_process(f"Worker-{rank}", f"gracelm::worker-{rank}", run_worker,
+        process = start_process(f"Worker-{rank}", f"gracelm::worker-{rank}", WORKER_ENTRY,
                                 (config, rank, self.layout.world_size, host, self.store.port,
                                  logging.getLogger().getEffectiveLevel()))
         self.processes[rank] = process

@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import time
 import traceback
 
 import zmq
 
 from gracelm.config import EngineConfig
+from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
+from gracelm.lifecycle.processes import exit_process
 from gracelm.parallel import messages as m
 from gracelm.parallel.distributed import (
     BACKEND,
@@ -37,7 +38,6 @@ from gracelm.parallel.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-EXIT_FATAL = 1
 _FINAL_SEND_LINGER_MS = 2000
 
 
@@ -50,12 +50,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, store_host: str
     """Entry point of a worker process; never returns (exits 0 after a stop, 1 after a failure)."""
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s")
-    code = WorkerProcess(config, rank, world_size).run(store_host, store_port)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Everything is released; the interpreter's own teardown of torch would only add time.
-    os._exit(code)
+    exit_process(WorkerProcess(config, rank, world_size).run(store_host, store_port))
 
 
 class WorkerProcess:
@@ -83,7 +78,7 @@ class WorkerProcess:
             report = self.ledger.release_all()
             logger.info("worker rank %d teardown after failure:\n%s", self.rank, report.as_table())
             self._close_channel()
-            return EXIT_FATAL
+            return ExitCode.FATAL
         report = self.ledger.release_all()
         logger.info("worker rank %d stopped:\n%s", self.rank, report.as_table())
         collective_ms = self.timer.seconds * 1000 if self.timer is not None else 0.0

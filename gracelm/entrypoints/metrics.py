@@ -1,8 +1,9 @@
 """Prometheus metrics of a server, multiprocess-safe, their files in a directory of the instance's own.
 
 prometheus_client picks its multiprocess value store from `PROMETHEUS_MULTIPROC_DIR` when it is imported
-and when each metric is built, so `ServerMetrics` sets the variable first (children started afterwards
-inherit it) and builds its metrics after. `close()` removes the directory: no file outlives the instance.
+and when each metric is built, so `ServerMetrics` sets the variable first and builds its metrics after
+(only this process writes metrics: the engine core's figures are read from it at each scrape).
+`close()` removes the directory: no file outlives the instance.
 """
 
 from __future__ import annotations
@@ -121,12 +122,10 @@ class RequestTracker:
         self._arrival = time.monotonic()
         self._last: float | None = None
         self._num_prompt_tokens = num_prompt_tokens
-        self._num_generated = 0
 
-    def on_output(self, num_generated: int) -> None:
-        """Called with the request's cumulative generated-token count (all `n` completions) per output."""
-        new = num_generated - self._num_generated
-        if new <= 0:
+    def on_output(self, num_new: int) -> None:
+        """Called with each output's new tokens (all `n` completions together)."""
+        if num_new <= 0:
             return
         now = time.monotonic()
         if self._last is None:
@@ -135,10 +134,9 @@ class RequestTracker:
             self._m.totals["prompt_tokens"] += self._num_prompt_tokens
         else:
             self._m.itl.labels(**self._label).observe(now - self._last)
-        self._m.generation_tokens.labels(**self._label).inc(new)
-        self._m.totals["generation_tokens"] += new
+        self._m.generation_tokens.labels(**self._label).inc(num_new)
+        self._m.totals["generation_tokens"] += num_new
         self._last = now
-        self._num_generated = num_generated
 
     def on_finish(self, finish_reasons: list[str | None]) -> None:
         self._m.e2e.labels(**self._label).observe(time.monotonic() - self._arrival)

@@ -1,4 +1,5 @@
-"""The HTTP server's lifecycle state and its admission of new requests, consulted by every route.
+"""The server's lifecycle state and its admission of new requests, consulted by every route and driven by
+the supervisor. It knows nothing of HTTP: a refusal is an `AdmissionRefused` that the routes answer as 503.
 
 STARTING → RUNNING → DRAINING → STOPPING, and DEAD from anywhere once the engine is gone. RUNNING takes new
 work, and so does DRAINING during its grace period (`accepting`, for load balancers to notice the readiness
@@ -13,8 +14,6 @@ import asyncio
 import enum
 import logging
 
-from gracelm.entrypoints.api_errors import APIError
-
 logger = logging.getLogger(__name__)
 
 
@@ -24,6 +23,16 @@ class Lifecycle(enum.Enum):
     DRAINING = "draining"
     STOPPING = "stopping"
     DEAD = "dead"
+
+
+class AdmissionRefused(Exception):
+    """No new request now: `code` names why; `close`: the client should not reuse the connection (the
+    server is going away), so a load balancer moves it to another instance."""
+
+    def __init__(self, message: str, code: str, close: bool) -> None:
+        super().__init__(message)
+        self.code = code
+        self.close = close
 
 
 class ServerState:
@@ -71,13 +80,14 @@ class ServerState:
             self._idle.set()
 
     def admit(self) -> Admission:
-        """Admits one request or raises a 503; the caller releases the admission when the request leaves."""
+        """Admits one request or raises `AdmissionRefused`; the caller releases the admission when the
+        request leaves."""
         if not (self.ready or (self.lifecycle is Lifecycle.DRAINING and self.accepting)):
-            raise APIError(503, f"the server is {self.lifecycle.value} and takes no new requests",
-                           code="server_unavailable", headers={"Retry-After": "1", "Connection": "close"})
+            raise AdmissionRefused(f"the server is {self.lifecycle.value} and takes no new requests",
+                                   "server_unavailable", close=True)
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise APIError(503, f"too many waiting requests ({self.num_waiting}); try again later",
-                           code="queue_full", headers={"Retry-After": "1"})
+            raise AdmissionRefused(f"too many waiting requests ({self.num_waiting}); try again later",
+                                   "queue_full", close=False)
         return Admission(self)
 
 

@@ -1,0 +1,193 @@
+"""What `Engine` and `AsyncEngine` share: the core client, the tokenizer, the one check of a prompt, output
+processing, the reaction to the core's end, and the stop.
+
+Lifecycle: every resource is recorded in a `Ledger` (the engine's own, or the server's when it passes one)
+and `shutdown()` — explicit, from the context manager, at garbage collection or at interpreter exit, once
+whichever comes first — releases them newest first and returns the shutdown report (logged as a table and,
+with `shutdown_report=PATH`, written as JSON). The core's monitor announces how the core ended, once; a
+fatal end goes to `on_fatal(end)` (by default a log line) and every later call raises `EngineDeadError`.
+See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gracelm.config import EngineConfig, ModelConfig
+from gracelm.engine.core_client import EngineCoreClient
+from gracelm.engine.errors import EngineDeadError
+from gracelm.engine.output_processor import OutputProcessor
+from gracelm.engine.request import check_prompt
+from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
+from gracelm.lifecycle.process_end import ProcessEnd
+from gracelm.model.tokenizer import Tokenizer
+from gracelm.parallel.layout import check_parallel_config
+from gracelm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+FatalHandler = Callable[[ProcessEnd], None]
+
+
+class EngineFrontend:
+    def __init__(self, config: EngineConfig, ledger: Ledger | None = None,
+                 on_fatal: FatalHandler | None = None) -> None:
+        self._ledger = ledger if ledger is not None else Ledger()
+        self._on_fatal = on_fatal
+        self._lock = threading.Lock()
+        self._shut_down = False
+        self._calls_pending = 0  # utility calls sent and not answered
+        check_parallel_config(config)  # an unsplittable model is refused before any process starts
+        self._client = EngineCoreClient(config, self._ledger)
+        ready = self._client.ready
+        # Built by the core, which reads the model's files; rebuilt here without transformers or torch.
+        self.tokenizer = Tokenizer.from_dict(ready.tokenizer)
+        self.config = dataclasses.replace(config, max_model_len=ready.max_model_len)
+        self.model_config = ModelConfig(**{**ready.model_config,
+                                           "eos_token_ids": tuple(ready.model_config["eos_token_ids"])})
+        self.model_name = ready.model_name
+        self._processor = OutputProcessor(self.tokenizer)
+        ref = weakref.ref(self)  # the monitor's thread must not keep the engine from garbage collection
+        self._client.monitor.add_listener(lambda end: _call_if_alive(ref, end))
+        # Stop the core when the engine is garbage-collected or, at the latest, at interpreter exit. The
+        # atexit hook is registered here, after multiprocessing's own (which joins every child and would
+        # wait for ever on a running core), so that it runs first. Neither holds on to the engine.
+        self._finalizer = weakref.finalize(self, _stop, self._client, config.shutdown_timeout,
+                                           config.shutdown_report)
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+
+    # -- the one state: how the core ended -----------------------------------------------------------
+
+    @property
+    def core_end(self) -> ProcessEnd | None:
+        """None while the engine core lives; then how it ended (the core's monitor decides, once)."""
+        return self._client.end
+
+    @property
+    def failed(self) -> bool:
+        end = self._client.end
+        return end is not None and end.fatal
+
+    @property
+    def errored(self) -> bool:
+        return not self._shut_down and self.failed
+
+    @property
+    def is_running(self) -> bool:
+        return not self._shut_down and self._client.end is None
+
+    def _on_core_end(self, end: ProcessEnd) -> None:
+        """The monitor's announcement (from its thread); the outputs before it are still being delivered."""
+        if not end.fatal or self._shut_down:
+            return
+        if self._on_fatal is not None:
+            self._on_fatal(end)
+        else:
+            logger.error("engine failed: %s; its calls now raise EngineDeadError", end.message)
+
+    def _dead_error(self) -> EngineDeadError:
+        end = self._client.end
+        if self._shut_down or end is None or not end.fatal:
+            return EngineDeadError("the engine has been shut down")
+        return EngineDeadError(end.message)
+
+    def _check_usable(self) -> None:
+        if self._shut_down or self._client.end is not None:
+            raise self._dead_error()
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    @property
+    def runtime_dir(self) -> Path:
+        """The instance's runtime directory (ipc sockets, heartbeat; the server's metrics files)."""
+        return self._client.runtime_dir.path
+
+    def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenizes and checks a prompt; raises `ValueError` before anything is queued."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        # The one check of a prompt: raises `PromptError`, a `ValueError`.
+        assert self.config.max_model_len is not None
+        check_prompt(ids, self.config.max_model_len, self.model_config.vocab_size)
+        return text, ids
+
+    def _conversation_ids(self, messages: Messages) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
+        for add in self._processor.add_request(request_id, text, ids, params):
+            self._client.send(add)
+        self._update_busy()
+
+    def _abort(self, request_id: str):
+        """Ends the request here and in the core; its last delta (None for a request no longer known)."""
+        delta, core_ids = self._processor.abort(request_id)
+        if core_ids and not self._shut_down:
+            self._client.abort_requests(core_ids)
+        self._update_busy()
+        return delta
+
+    def _update_busy(self) -> None:
+        """Tells the monitor whether progress is due from the core: what was sent is not all answered."""
+        busy = self._processor.has_unfinished() or self._calls_pending > 0 or self._client.stop_requested
+        self._client.monitor.set_busy(busy)
+
+    # -- stop ----------------------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float | None = None) -> ShutdownReport:
+        """Stops the engine core (letting running requests finish for up to `timeout` s, by default the
+        configured `shutdown_timeout`) and releases everything; idempotent and thread-safe. Returns the
+        shutdown report (the same one on every call)."""
+        with self._lock:
+            first = not self._shut_down
+            self._shut_down = True
+        if not first:
+            return self._ledger.release_all()
+        self._finalizer.detach()
+        atexit.unregister(self._finalizer)
+        return _stop(self._client, self.config.shutdown_timeout if timeout is None else timeout,
+                     self.config.shutdown_report)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+
+def _call_if_alive(ref: weakref.ref, end: ProcessEnd) -> None:
+    engine = ref()
+    if engine is not None:
+        engine._on_core_end(end)
+
+
+def _stop(client: EngineCoreClient, timeout: float, report_path: str | None) -> ShutdownReport:
+    """Stops the core and releases every resource of the ledger; publishes the report. A module function,
+    so that the finalizer and the atexit hook hold the client, never the engine."""
+    client.shutdown(timeout)
+    report = client.ledger.release_all()
+    if client.core_report and not any(r in report.resources for r in client.core_report):
+        # What the core released itself (the model, the KV cache) goes right before the core process.
+        at = next((i for i, r in enumerate(report.resources) if r.kind is ResourceKind.PROCESS),
+                  len(report.resources))
+        report.resources[at:at] = client.core_report
+    report.publish(report_path)
+    return report

@@ -1,0 +1,36 @@
+"""The HTTP server's own options (`gracelm serve`), declared once like the engine's (`gracelm.options`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from gracelm import options
+from gracelm.options import at_least, in_range, option
+
+API_KEY_ENV = "GRACELM_API_KEY"
+
+
+@dataclass
+class ServerConfig:
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(8000, "port to bind (0: any free one)", check=in_range(0, 65535))
+    api_key: str | None = option(None, f"require `Authorization: Bearer KEY` on /v1 routes (or set "
+                                       f"{API_KEY_ENV})")
+    served_model_name: str | None = option(None, "the model name clients use (default: the model's)")
+    max_waiting_requests: int | None = option(None, "answer 503 when this many admitted requests wait to "
+                                                    "start (default: no limit)", check=at_least(1))
+    max_request_body_bytes: int = option(1 << 20, "answer 413 to larger request bodies", check=at_least(1))
+    stats_interval: float = option(10.0, "seconds between stats log lines (0: none)", check=at_least(0))
+    drain_grace_period: float = option(0.0, "seconds to keep accepting new requests after readiness turns "
+                                            "503 at a stop", check=at_least(0))
+
+    def __post_init__(self) -> None:
+        options.validate(self)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerConfig:
+        """Raises `ValueError` on invalid values; the API key may come from the environment."""
+        api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+        return options.from_args(cls, args, api_key=api_key)

@@ -1,0 +1,36 @@
+"""TEST-ONLY fault injection, read from the environment by the process it acts in: never set in production.
+
+`GRACELM_TEST_HOOKS` holds a JSON object; the engine core reads `test_slow_load_s` (sleep before the model
+loads), `test_step_sleep_s` (slow every step), `test_raise_after_steps`, `test_hang_after_steps` and
+`test_exit_after_steps` (raise, hang or `os._exit(5)` once that many steps have run). Children inherit the
+variable, so a test sets it around the start of a server or an engine and the hooks reach the core without
+passing through any configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from typing import Any
+
+ENV = "GRACELM_TEST_HOOKS"
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def active_test_hooks() -> dict[str, Any]:
+    """The hooks of this process (read once); an invalid value is an error naming the variable."""
+    text = os.environ.get(ENV)
+    if not text:
+        return {}
+    try:
+        hooks = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{ENV} is not valid JSON: {e}") from None
+    if not isinstance(hooks, dict):
+        raise ValueError(f"{ENV} must be a JSON object")
+    logger.warning("test-only hooks active: %s", hooks)
+    return hooks

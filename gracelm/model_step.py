@@ -1,0 +1,46 @@
+"""What crosses from the engine to the executor and back for one step: the model's inputs and the sampled
+tokens. A module below both the engine and `parallel/`, so that neither imports the other's types (the
+executor never sees the scheduler's live requests), and torch-free, so that the scheduler stays so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from gracelm.sampling_params import SamplingParams
+
+
+class StepBatch(msgspec.Struct, tag=True, array_like=True):
+    """The token rows of one forward pass, as plain lists: every tensor-parallel rank receives the same
+    lists and turns them into the same tensors (`ForwardBatch.from_step_batch`)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]  # KV-cache slot of each token: block_id * block_size + offset in the block
+    query_lens: list[int]  # new tokens per sequence
+    seq_lens: list[int]  # tokens of context per sequence after the step
+    block_tables: list[list[int]]  # padded with 0
+    logits_indices: list[int]  # rows whose logits are sampled: each sampling sequence's last token
+    sent_at: float = 0.0  # time.time() on rank 0 when sent: the broadcast latency, seen by a worker
+
+
+@dataclass
+class ModelStep:
+    """A step's batch and, for each row of `logits_indices` in order, what its sampling needs. The token
+    lists are the requests' own (read them, never mutate them): the penalties read what came before."""
+
+    batch: StepBatch
+    request_ids: list[str]
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # when the request asked for logprobs
+    top_ids: list[int] | None = None  # the top-N alternatives, most likely first
+    top_logprobs: list[float] | None = None
