@@ -121,13 +121,15 @@ def test_second_sigint_during_the_drain_stops_at_once(model):
     assert time.monotonic() - forced < 3.0
 
 
-@pytest.mark.parametrize("how", ["sigterm-to-every-process", "sigint-to-the-group"])
+@pytest.mark.parametrize("how", ["sigterm-to-every-process", "sigint-to-the-group", "sighup-to-the-group"])
 def test_signals_to_every_process_give_one_orderly_drain(model, how):
     server = serve(model, "--shutdown-timeout", "30")
     streams = start_streams(server.url, 2, max_tokens=150)
     server.capture()
     if how == "sigint-to-the-group":
         os.killpg(server.pid, signal.SIGINT)
+    elif how == "sighup-to-the-group":  # a closed terminal: the supervisor drains, the children ignore it
+        os.killpg(server.pid, signal.SIGHUP)
     else:
         for proc in [psutil.Process(server.pid), *server.children]:
             proc.send_signal(signal.SIGTERM)

@@ -138,11 +138,9 @@ def test_kill_9_of_the_supervisor_takes_every_child_and_the_next_start_reclaims(
     assert time.monotonic() - killed < 1.5
     assert runtime_dir.exists()  # SIGKILL leaves it; the next start reclaims it
     server.close_log()
-    following = serve(model)
-    assert f"reclaimed stale runtime dir {runtime_dir}" in following.log()
-    assert not runtime_dir.exists()
-    following.stop()
-    following.close_log()
+    with serve(model) as following:  # stopped, or killed if an assertion fails: nothing outlives the test
+        assert f"reclaimed stale runtime dir {runtime_dir}" in following.log()
+        assert not runtime_dir.exists()
 
 
 def test_sigterm_while_the_weights_load_abandons_the_start(model):

@@ -156,6 +156,13 @@ def test_policy_repeat_window_is_anchored_at_the_first_request():
     assert policy.decide(signal.SIGUSR1, 20.1).action is Action.DUMP_STACKS
 
 
+def test_policy_sighup_is_a_stop_request_like_sigterm():
+    policy = SignalPolicy(repeat_window_s=0.5)
+    assert policy.decide(signal.SIGHUP, 10.0).action is Action.GRACEFUL_STOP
+    assert policy.decide(signal.SIGTERM, 10.1).action is Action.IGNORE  # the same stop, delivered again
+    assert policy.decide(signal.SIGHUP, 11.0).action is Action.IMMEDIATE_STOP
+
+
 def test_policy_sigquit_with_a_child_report_is_fatal():
     reports: list[str] = []
     policy = SignalPolicy(fatal_report=lambda: reports[0] if reports else None)

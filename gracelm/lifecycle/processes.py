@@ -1,11 +1,11 @@
 """Starting and stopping the server's child processes, the one way every child is run.
 
-A child is started with the `spawn` context (no forked copy of the parent's threads, locks or device
-state) and, before its target runs: ignores SIGINT and SIGTERM (the supervisor alone interprets signals —
+A child is started with the `spawn` context (no forked copy of the parent's threads, locks or device state)
+and, before its target runs: ignores SIGINT, SIGTERM and SIGHUP (the supervisor alone interprets signals —
 Ctrl-C reaches the whole process group), names itself with setproctitle, enables faulthandler, and arms two
-independent ways to die with its parent: `PR_SET_PDEATHSIG` and a death pipe whose write end only the
-parent holds (EOF on it means the parent is gone, whatever killed it). SIGUSR1 dumps its stacks (faulthandler)
-and it carries on. The stop signals are blocked while the child starts, so that none reaches it before its
+independent ways to die with its parent: `PR_SET_PDEATHSIG` and a death pipe whose write end only the parent
+holds (EOF on it means the parent is gone, whatever killed it). SIGUSR1 dumps its stacks (faulthandler) and it
+carries on. The stop signals are blocked while the child starts, so that none reaches it before its
 dispositions are set.
 
 Stopping is: ask (the caller's stop message) → join with a timeout → SIGTERM (only useful before the
@@ -34,7 +34,7 @@ from typing import NoReturn, Protocol
 import psutil
 
 from gracelm.lifecycle.process_end import describe_exit
-from gracelm.lifecycle.signals import signals_blocked_for_child, unblock_child_signals
+from gracelm.lifecycle.signals import STOP_SIGNALS, signals_blocked_for_child, unblock_child_signals
 from gracelm.lifecycle.stacks import install_child_stack_dump
 
 logger = logging.getLogger(__name__)
@@ -117,8 +117,8 @@ def start_process(name: str, title: str, target: str, args: tuple = ()) -> Child
     pdeathsig = threading.current_thread() is threading.main_thread()
     process = ctx.Process(target=_child_main, name=name, daemon=False,
                           args=(title, os.getpid(), pdeathsig, death_reader, target, args))
-    # Blocked across the start, the child inherits SIGINT/SIGTERM/SIGUSR1 deferred until its entry has set
-    # their dispositions: a Ctrl-C while it imports torch must not kill it.
+    # Blocked across the start, the child inherits the stop signals and SIGUSR1 deferred until its entry
+    # has set their dispositions: a Ctrl-C while it imports torch must not kill it.
     with _main_module_hidden(), signals_blocked_for_child():
         process.start()
     death_reader.close()
@@ -145,8 +145,8 @@ def _main_module_hidden() -> Iterator[None]:
 
 def _child_main(title: str, parent_pid: int, pdeathsig: bool, death_reader: Connection,
                 target: str, args: tuple) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:  # the supervisor alone acts on them
+        signal.signal(sig, signal.SIG_IGN)
     faulthandler.enable()
     install_child_stack_dump()
     unblock_child_signals()

@@ -12,14 +12,14 @@ in a plain thread), and `dispatch_pending()` asks the policy what each signal me
 method of that name, in the loop, where acting is safe.
 
 Policy (`SignalPolicy`):
-    first SIGTERM or SIGINT              -> graceful_stop
-    SIGTERM or SIGINT during that drain  -> immediate_stop, unless it is a repeat (below)
+    first SIGTERM, SIGINT or SIGHUP      -> graceful_stop
+    one of them during that drain        -> immediate_stop, unless it is a repeat (below)
     SIGQUIT                              -> fatal when a child has reported a fatal error (children send
                                             SIGQUIT after their report, as SGLang's do), else immediate_stop
     SIGUSR1                              -> dump_stacks, and serving carries on
-Repeat rule: a SIGTERM or SIGINT that arrives less than `repeat_window_s` (0.5 s) after the one that began
-the drain is the same request delivered again (to the group and to the process, by systemd and by a shell
-that forwards it) and is ignored, with a log line that says so. An operator who wants the immediate stop
+Repeat rule: a SIGTERM, SIGINT or SIGHUP that arrives less than `repeat_window_s` (0.5 s) after the one that
+began the drain is the same request delivered again (to the group and to the process, by systemd and by a
+shell that forwards it) and is ignored, with a log line that says so. An operator who wants the immediate stop
 sends it again; humans take longer than half a second to decide that, machines much less to repeat.
 
 Why not `loop.add_signal_handler`: its handlers run only when the loop runs, and the supervisor blocks its
@@ -57,9 +57,11 @@ from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
-CHILD_DEFERRED_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGUSR1})
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1)
+# SIGHUP is a stop request too: its default action would kill the supervisor with no drain (a closed
+# terminal, a session's end, `kill -HUP` from a script that expects a reload), cutting every stream.
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+CHILD_DEFERRED_SIGNALS = frozenset({*STOP_SIGNALS, signal.SIGUSR1})
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 REPEAT_WINDOW_S = 0.5
 
 

@@ -2,10 +2,10 @@
 
 `gracelm serve --nnodes N --node-rank K --dist-init-addr HOST:PORT ...` (K > 0) runs `run_headless`: it
 starts this node's ranks as worker processes and waits for them. Node 0's engine core drives them: a stop
-there sends each worker its stop message, they tear down and exit 0, and so does this process. A worker
-that fails or loses rank 0 exits non-zero, and this node then stops the others and exits FATAL. SIGTERM
-or SIGINT here stops this node's workers at once (node 0 sees their death and fails fast: a group missing
-a rank cannot serve) and exits CLEAN_STOP, since the operator asked for it.
+there sends each worker its stop message, they tear down and exit 0, and so does this process. A worker that
+fails or loses rank 0 exits non-zero, and this node then stops the others and exits FATAL. SIGTERM, SIGINT or
+SIGHUP here stops this node's workers at once (node 0 sees their death and fails fast: a group missing a rank
+cannot serve) and exits CLEAN_STOP, since the operator asked for it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from gracelm.config import EngineConfig
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import ChildProcess, start_process
+from gracelm.lifecycle.signals import STOP_SIGNALS
 from gracelm.parallel.distributed import rendezvous_address
 from gracelm.parallel.layout import Layout, check_parallel_config
 from gracelm.parallel.worker_group import WORKER_ENTRY, WORKER_STOP_TIMEOUT_S
@@ -36,7 +37,7 @@ def run_headless(config: EngineConfig) -> int:
     host, port = rendezvous_address(config)
     stop_requested: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: stop_requested.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+                for sig in STOP_SIGNALS}
     ledger = Ledger()
     workers: dict[int, ChildProcess] = {}
     try:
