@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import msgspec
 
+# Temperatures below this sample greedily (as vLLM does): logits divided by less would leave float32's range.
+GREEDY_BELOW = 1e-5
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling settings of one request; crosses the process boundary as-is (msgspec).
 
-    `temperature == 0` means greedy. `top_k` of 0 or -1 and `top_p == 1` disable those filters.
+    `temperature == 0` (or below `GREEDY_BELOW`) means greedy. `top_k` of 0 or -1 and `top_p == 1` disable
+    those filters.
     `max_tokens=None` lets the request run to the end of the context (`max_model_len`).
     `logprobs=N` returns, for each generated token, its logprob and the N most likely alternatives.
     """
@@ -54,7 +58,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def _check(ok: bool, name: str, message: str) -> None:

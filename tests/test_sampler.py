@@ -247,3 +247,51 @@ def test_inconsistent_inputs_are_refused():
         SamplingMetadata.build([SamplingParams()], [], [[]], [[]], 10)
     with pytest.raises(ValueError, match="shape"):
         sample(torch.zeros(2, 11), _meta([SamplingParams(), SamplingParams()], 10))
+
+
+EXTREME = [
+    SamplingParams(temperature=1e-300),  # far below float32: would divide by zero
+    SamplingParams(temperature=4e-6, top_k=3),  # below the greedy threshold, with a filter
+    SamplingParams(temperature=1.7e-5, top_k=5, top_p=1e-300),  # just above it, top_p underflowing
+    SamplingParams(temperature=2.0, repetition_penalty=1e-300),  # would divide the repeated logits by 0
+    SamplingParams(temperature=1e-5, repetition_penalty=1e-38, top_p=0.5, min_p=1.0),
+    SamplingParams(temperature=2.0, presence_penalty=2.0, frequency_penalty=-2.0, top_k=1),
+]
+
+
+@pytest.mark.parametrize("params", EXTREME, ids=range(len(EXTREME)))
+def test_every_accepted_value_samples_a_valid_token(params):
+    vocab = 50
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=generator) * 30
+    seen = [[1, 2, 3, 2]] * 4
+    meta = _meta([params] * 4, vocab, generators=[None, make_generator(1), None, make_generator(2)],
+                 prompts=seen, outputs=seen)
+    out = sample(logits.clone(), meta)
+    assert out.token_ids.shape == (4,) and bool(((out.token_ids >= 0) & (out.token_ids < vocab)).all())
+    if params.temperature < 1e-5:  # greedy: the argmax of the penalised logits
+        penalised = torch.tensor([_reference_penalised(row.tolist(), params, seen[0], seen[0])
+                                  for row in logits])
+        assert out.token_ids.tolist() == penalised.argmax(dim=-1).tolist()
+
+
+def test_non_finite_logits_stay_in_their_row():
+    vocab = 40
+    logits = torch.randn(5, vocab) * 3
+    logits[1] = torch.nan  # a row with nothing possible
+    logits[2, 7] = torch.inf  # one certain token
+    logits[3, :] = -torch.inf
+    logits[3, 11] = torch.nan
+    params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.5, top_p=0.9), SamplingParams(temperature=1.0, top_k=4),
+              SamplingParams(temperature=0.0, logprobs=3)]
+    clean = logits[[0, 4]].clone()
+    generators = [make_generator(5), None, None, None, None]
+    out = sample(logits.clone(), _meta(params, vocab, generators=generators))
+    tokens = out.token_ids.tolist()
+    assert all(0 <= t < vocab for t in tokens) and tokens[2] == 7
+    # The healthy rows sample exactly as they would alone.
+    alone = sample(clean.clone(), _meta([params[0], params[4]], vocab, generators=[make_generator(5), None]))
+    assert [tokens[0], tokens[4]] == alone.token_ids.tolist()
+    assert out.logprobs is not None and bool(torch.isfinite(out.logprobs).all())
+    assert out.top_logprobs is not None and bool(torch.isfinite(out.top_logprobs).all())

@@ -21,6 +21,13 @@ temperature step of this sampler takes about 4 ms in all.)
 
 Logprobs are those of the model's raw distribution: `log_softmax` of the logits before penalties,
 temperature and filters, as vLLM returns by default.
+
+Total: for every value `SamplingParams` accepts, every row gets a valid token id. A temperature below
+`GREEDY_BELOW` is greedy (as in vLLM: dividing by it would overflow float32); a repetition penalty is
+clamped to what float32 can divide by; NaN and infinite logits (a request's own extreme values, or a
+model's) stay in their row: NaN counts as impossible, +inf as the largest float, a row with nothing
+possible takes token 0, and no draw can land past the end of its row. Logprobs stay finite (JSON has no
+NaN or infinity).
 """
 
 from __future__ import annotations
@@ -31,12 +38,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gracelm.sampling_params import SamplingParams
+from gracelm.sampling_params import GREEDY_BELOW, SamplingParams
 
 # A top-p row first reads this many of its most probable tokens; one whose nucleus is wider reads again a
 # prefix this many times wider, up to the whole vocabulary.
 _PREFIX = 64
 _PREFIX_GROWTH = 8
+# The smallest repetition penalty applied: logits (tens) divided by it, then by GREEDY_BELOW, stay finite.
+_MIN_REPETITION_PENALTY = 1e-30
+_FLOAT_MAX = torch.finfo(torch.float32).max
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -70,7 +80,7 @@ class Penalties:
             seen = [prompt_token_ids[i] + output_token_ids[i] for i in repeating]
             penalties.repetition_keys, rows = _flat_keys(repeating, seen, vocab_size)
             factors = torch.tensor([params[i].repetition_penalty for i in repeating], dtype=torch.float32)
-            penalties.repetition_factors = factors[rows]
+            penalties.repetition_factors = factors.clamp(min=_MIN_REPETITION_PENALTY)[rows]
         if counting:
             keys, _ = _flat_keys(counting, [output_token_ids[i] for i in counting], vocab_size)
             penalties.output_keys, counts = torch.unique(keys, return_counts=True)
@@ -134,7 +144,7 @@ class SamplingGroup:
     def candidates(self, logits: torch.Tensor) -> list[Candidates]:
         """What the group's rows draw from, given their penalised `logits` [n, V] (divided in place by the
         temperature): one entry per prefix width its rows needed."""
-        logits.div_(self.temperature)
+        _finite(logits.div_(self.temperature))
         if self.top_k is None and self.top_p is None:
             return [_whole_vocabulary(logits, self.min_p)]
         return _prefixes(logits, self.top_k, self.top_p, self.min_p)
@@ -243,11 +253,16 @@ def _prefix(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch
 
 def _invert_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """[m] column of each row of `probs` [m, W] (unnormalised) where its cumulative mass reaches the draw."""
-    cdf = probs.cumsum(dim=-1)
+    cdf = probs.nan_to_num(0.0).cumsum(dim=-1)  # NaN mass (a row with nothing possible) counts as none
     # 1 - u lies in (0, 1]: the target is above 0 and at most the total, so the search lands on a column of
-    # non-zero mass (the first whose cumulative mass reaches it) and never past the end.
+    # non-zero mass (the first whose cumulative mass reaches it); the clamp covers a row of no mass at all.
     target = (1.0 - uniform).unsqueeze(1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target).squeeze(1)
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """In place: NaN becomes impossible (-inf) and +inf the largest float, row by row."""
+    return logits.nan_to_num_(nan=-torch.inf, posinf=_FLOAT_MAX)
 
 
 @dataclass
@@ -271,7 +286,7 @@ class SamplingMetadata:
         the token ids feed the penalties."""
         if not len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError("SamplingMetadata.build: one entry per row is needed in every list")
-        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+        greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             num_rows=len(params), vocab_size=vocab_size, all_greedy=len(greedy) == len(params),
@@ -286,7 +301,7 @@ def _groups(params: list[SamplingParams], generators: list[torch.Generator | Non
             vocab_size: int) -> list[SamplingGroup]:
     by_prefix: dict[bool, list[int]] = {True: [], False: []}
     for i, p in enumerate(params):
-        if p.temperature != 0.0:
+        if p.temperature >= GREEDY_BELOW:
             by_prefix[0 < p.top_k < vocab_size or p.top_p < 1.0].append(i)
     return [SamplingGroup.build(rows, [params[i] for i in rows], [generators[i] for i in rows], len(params),
                                 vocab_size) for rows in by_prefix.values() if rows]
@@ -310,9 +325,12 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raise ValueError(f"sample: logits of shape {tuple(logits.shape)} for a batch of "
                          f"{meta.num_rows} rows over {meta.vocab_size} tokens")
     logits = logits.float().contiguous()
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
+    raw_logprobs = None
+    if meta.max_num_logprobs is not None:
+        raw_logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(nan=-_FLOAT_MAX, neginf=-_FLOAT_MAX)
     if meta.penalties is not None:
         meta.penalties.apply(logits)
+    _finite(logits)
     if meta.all_greedy:
         token_ids = logits.argmax(dim=-1)
     else:
