@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import msgspec
 
+# OpenAI's limit on choices per request: the fan-out one request may ask of the engine.
+MAX_N = 128
+# Integers cross the process boundary as msgpack int64/uint64 and feed int32/int64 tensors: larger ones are
+# refused here, naming the field, instead of failing deep inside the engine.
+_MAX_COUNT = 2**31 - 1
+_SEED_RANGE = (-(2**63), 2**64 - 1)
 # Temperatures below this sample greedily (as vLLM does): logits divided by less would leave float32's range.
 GREEDY_BELOW = 1e-5
 
@@ -35,12 +41,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-               f"must be at least 1, got {self.max_tokens}")
+        _check(1 <= self.n <= MAX_N, "n", f"must be between 1 and {MAX_N}, got {self.n}")
+        _check(self.max_tokens is None or 1 <= self.max_tokens <= _MAX_COUNT, "max_tokens",
+               f"must be between 1 and {_MAX_COUNT}, got {self.max_tokens}")
         _check(0.0 <= self.temperature <= 2.0, "temperature", f"must be in [0, 2], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        _check(-1 <= self.top_k <= _MAX_COUNT, "top_k",
+               f"must be -1 (off), 0 (off) or positive up to {_MAX_COUNT}, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
                f"must be in [-2, 2], got {self.presence_penalty}")
@@ -51,10 +58,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"must be between 0 and 20, got {self.logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be non-negative token ids")
-        _check(self.seed is None or isinstance(self.seed, int), "seed",
-               f"must be an integer, got {self.seed!r}")
+        _check(all(isinstance(t, int) and 0 <= t <= _MAX_COUNT for t in self.stop_token_ids),
+               "stop_token_ids", f"must be token ids between 0 and {_MAX_COUNT}")
+        low, high = _SEED_RANGE
+        _check(self.seed is None or (isinstance(self.seed, int) and low <= self.seed <= high), "seed",
+               f"must be an integer between {low} and {high}, got {self.seed!r}")
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice `index` of `n`: `seed + index`, wrapped to stay in the seed's range."""
+        if self.seed is None:
+            return None
+        seed = self.seed + index
+        return seed - 2**64 if seed > _SEED_RANGE[1] else seed
 
     @property
     def greedy(self) -> bool:

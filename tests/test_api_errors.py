@@ -69,6 +69,34 @@ def test_invalid_sampling_parameters(server, field, value):
     _error(_chat(server, {"messages": USER, field: value}), 400, param=field, code="invalid_value")
 
 
+HUGE = 2**70  # beyond int64 and uint64: msgpack cannot carry it to the engine core
+
+
+@pytest.mark.parametrize("field,value", [("seed", HUGE), ("seed", -HUGE), ("top_k", HUGE),
+                                         ("max_tokens", HUGE), ("stop_token_ids", [HUGE]), ("n", 129)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_integers_beyond_their_range_are_refused_naming_the_field(server, field, value, stream):
+    body = {"messages": USER, field: value, "stream": stream}
+    _error(_chat(server, body), 400, param=field, code="invalid_value")
+    completion = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                            json={"prompt": "hi", field: value, "stream": stream})
+    _error(completion, 400, param=field, code="invalid_value")
+
+
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-300}, {"temperature": 1e-300, "top_k": 3},
+                                     {"repetition_penalty": 1e-300, "temperature": 2.0},
+                                     {"top_p": 1e-300, "temperature": 1.0, "seed": 2**64 - 1, "n": 2}])
+def test_extreme_but_valid_floats_are_served(server, extreme):
+    body = {"prompt": "the cat", "max_tokens": 4, **extreme}
+    plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert plain.status_code == 200 and all(c["finish_reason"] == "length" for c in plain.json()["choices"])
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"messages": USER, "max_tokens": 4, "stream": True, **extreme}) as stream:
+        lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert stream.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert not any('"error"' in line for line in lines)
+
+
 def test_wrong_type_names_the_field(server):
     _error(_chat(server, {"messages": USER, "temperature": "hot"}), 400, param="temperature")
 

@@ -90,12 +90,11 @@ class OutputProcessor:
         adds = []
         for index in range(params.n):
             core_id = f"{request_id}/{index}"
-            seed = None if params.seed is None else params.seed + index
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
             completion = _Completion(index, core_id, detokenizer, params.logprobs is not None)
             state.completions.append(completion)
             self._by_core_id[core_id] = (state, completion)
-            core_params = msgspec.structs.replace(params, n=1, seed=seed)
+            core_params = msgspec.structs.replace(params, n=1, seed=params.choice_seed(index))
             adds.append(msg.AddRequest(core_id, prompt_token_ids, core_params,
                                        list(self.tokenizer.eos_token_ids), arrival))
         self._requests[request_id] = state
