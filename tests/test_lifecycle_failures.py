@@ -9,6 +9,7 @@ import contextlib
 import json
 import re
 import signal
+import subprocess
 import threading
 import time
 
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 from gracelm.lifecycle.runtime_dir import PREFIX, runtime_base
+from tests.process_checks import leftover_children
 from tests.server_process import ServerProcess, Stream, start_streams
 from tests.tiny_models import tiny_model
 
@@ -155,6 +157,37 @@ def test_sigterm_while_the_weights_load_abandons_the_start(model):
     log = finish(server, 0, within=15)
     assert "start-up abandoned: SIGTERM" in log
     assert not list(runtime_base().glob(f"{PREFIX}{server.pid}-*"))
+
+
+@contextlib.contextmanager
+def full_filesystem(tmp_path):
+    """A tmpfs of 64 KiB, filled up: a runtime directory where no byte can be written."""
+    mount_point = tmp_path / "full"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        with contextlib.suppress(OSError), (mount_point / "filler").open("wb") as filler:
+            while True:
+                filler.write(b"\0" * 4096)
+                filler.flush()
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_full_runtime_filesystem_at_start_up_exits_3_naming_the_path(model, tmp_path):
+    with full_filesystem(tmp_path) as full:
+        server = ServerProcess(model, "--kv-cache-memory", "4MiB", "--num-threads", "1", wait_ready=False,
+                               env={"XDG_RUNTIME_DIR": str(full)})
+        assert server.wait_exit(60) == 3, server.log()
+        log = server.log()
+        server.close_log()
+        assert "No space left on device" in log and f"heartbeat slot {full}/gracelm-" in log, log
+        assert sorted(p.name for p in full.iterdir()) == ["filler"]  # the runtime directory is gone
+    assert leftover_children() == []
 
 
 ENDED = re.compile(r"engine core ended \((\w+)\): (.*)$")

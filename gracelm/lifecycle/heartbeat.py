@@ -42,8 +42,14 @@ class Heartbeat:
 
     @classmethod
     def create(cls, path: str | Path) -> Heartbeat:
+        """Reserves the slot's bytes on disk now: a stamp into a sparse page of a full filesystem would kill
+        the writer with SIGBUS; a full one is an `OSError` here, at start-up, naming the path."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.ftruncate(fd, _SLOT_BYTES)
+        try:
+            os.posix_fallocate(fd, 0, _SLOT_BYTES)
+        except OSError as e:
+            os.close(fd)
+            raise OSError(e.errno, f"cannot reserve the heartbeat slot {path}: {e.strerror}") from None
         return cls(Path(path), fd)
 
     @classmethod
