@@ -60,12 +60,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def api_key_dependency(api_key: str):
-    """A FastAPI dependency demanding `Authorization: Bearer <api_key>`, compared in constant time."""
-    expected = api_key.encode()
+    """A FastAPI dependency demanding `Authorization: Bearer <api_key>`, compared in constant time as UTF-8
+    bytes: the server reads headers as latin-1 (HTTP's own rule), so the header's original bytes are those
+    of its latin-1 text, and a non-ASCII key sent as UTF-8 matches."""
+    expected = api_key.encode("utf-8")
 
     async def verify(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), expected):
             raise APIError(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 

@@ -1,0 +1,27 @@
+"""The API key check alone, on requests as the server builds them from raw header bytes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi import Request
+
+from gracelm.entrypoints.api_errors import APIError
+from gracelm.entrypoints.request_guards import api_key_dependency
+
+
+def _request(authorization: bytes | None) -> Request:
+    headers = [] if authorization is None else [(b"authorization", authorization)]
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers})
+
+
+@pytest.mark.parametrize("key", ["secret", "clé-ünïcode-密钥"])
+def test_the_key_matches_as_utf8_bytes(key):
+    verify = api_key_dependency(key)
+    asyncio.run(verify(_request(b"Bearer " + key.encode("utf-8"))))  # accepted: no exception
+    for wrong in (None, b"Bearer " + key.encode("utf-8") + b"x", b"Basic " + key.encode("utf-8"),
+                  b"Bearer " + key.upper().encode("utf-8"), b"Bearer "):
+        with pytest.raises(APIError) as refused:
+            asyncio.run(verify(_request(wrong)))
+        assert refused.value.status == 401
