@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -87,6 +88,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error while serving a request")
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return unexpected_error(request.url.path).response()
+
+
+def unexpected_error(path: str) -> APIError:
+    """A 500 for a bug: the client gets a generic message and an id, the log the traceback under that id
+    (an exception's text may carry internals, such as paths or values of other requests). Call it from
+    an `except` block."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    logger.exception("unexpected error %s while serving %s", error_id, path)
+    return APIError(500, f"internal server error (id {error_id}); the details are in the server's log",
+                    code="internal_error")
