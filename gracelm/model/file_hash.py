@@ -1,0 +1,53 @@
+"""A content hash of a model's weight files, computed once per file and then kept, keyed by the file's
+path, size and modification time (a file changed in place gets a new hash; an unchanged one costs a
+`stat`). It names the weights themselves, whatever the model is called: what the KV-cache snapshot and
+the converted-weights cache are keyed by.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path
+
+from gracelm.cache_dir import cache_dir, write_atomic
+
+_INDEX = "file-hashes.json"
+_lock = threading.Lock()  # one process's threads update the index one at a time
+
+
+def content_hash(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes; of a directory, of its weight and config files' names and hashes."""
+    path = Path(path).resolve()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".gguf", ".jinja"))
+        listing = "\n".join(f"{p.name} {file_hash(p)}" for p in files)
+        return hashlib.sha256(listing.encode()).hexdigest()
+    return file_hash(path)
+
+
+def file_hash(path: Path) -> str:
+    stat = path.stat()
+    key = f"{path} {stat.st_size} {stat.st_mtime_ns}"
+    index_path = cache_dir() / _INDEX
+    with _lock:
+        index = _read_index(index_path)
+        if key in index:
+            return index[key]
+    with path.open("rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    with _lock:
+        index = _read_index(index_path)  # another process may have added entries meanwhile
+        index = {k: v for k, v in index.items() if not k.startswith(f"{path} ")}  # older versions go
+        index[key] = digest
+        write_atomic(index_path, json.dumps(index, indent=0).encode())
+    return digest
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(index_path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return index if isinstance(index, dict) else {}
