@@ -5,6 +5,13 @@ of the engine core to `/health` 503 (the failure detected and stated) and to the
 `kill -9` of the supervisor to its last child gone. Median of --repeat runs. Run by hand:
 `python bench/lifecycle.py [--repeat 5] [--model PATH]`.
 
+`--startup` measures the start instead: launch to `/ready` 200 of `gracelm serve` with a cold cache (once,
+a fresh `GRACELM_CACHE_DIR`: the tokenizer and the weights are converted) and then a warm one (the same
+directory), beside a bare `python -c "import torch"` and, given `--llama-server PATH` (and `--model` a GGUF
+file, the default model if not given), llama.cpp's `llama-server` started to a 200 on `/health`, each
+--repeat times in turns so that a change in the machine's load touches them alike; medians, and their
+ratios to the torch import. Polled every 10 ms.
+
 "Gone", for the children of a killed supervisor, is measured two ways: `dead` when the last one has stopped
 running (exited: a zombie or already reaped; a zombie holds no memory, file, socket or device, only its
 exit status), `reaped` when the last one has also left the process table. The children of a dead parent are
@@ -20,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +40,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gracelm.lifecycle.stale import reclaim_stale  # noqa: E402
-from tests.server_process import ServerProcess, start_streams  # noqa: E402
+from gracelm.model.model_files import default_model_path  # noqa: E402
+from tests.server_process import GRACELM, ServerProcess, free_port, start_streams  # noqa: E402
 
 STREAM_TOKENS = 64
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the servers started below
@@ -132,17 +143,86 @@ def wait_gone(procs: list[psutil.Process], timeout: float) -> tuple[float, float
     return max(dead.values()), max(reaped.values())
 
 
+def time_to_ok(command: list[str], url: str, env: dict[str, str] | None = None) -> float:
+    """Seconds from launching `command` to a 200 from `url`; then the process is stopped (SIGTERM)."""
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited with {process.returncode} before {url} answered")
+            try:
+                if httpx.get(url, timeout=5).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.TransportError:
+                pass
+            time.sleep(0.01)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def gracelm_ready(model: str | None, cache: str) -> float:
+    port = free_port()
+    command = [str(GRACELM), "serve", *([model] if model else []), "--port", str(port),
+               "--stats-interval", "0"]
+    return time_to_ok(command, f"http://127.0.0.1:{port}/ready", {"GRACELM_CACHE_DIR": cache})
+
+
+def llama_server_ready(binary: str, model: str) -> float:
+    port = free_port()
+    command = [binary, "-m", model, "-t", "2", "-np", "32", "-c", "32768", "--port", str(port),
+               "--host", "127.0.0.1"]
+    return time_to_ok(command, f"http://127.0.0.1:{port}/health")
+
+
+def import_torch() -> float:
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.monotonic() - started
+
+
+def startup(model: str | None, repeat: int, llama_server: str | None) -> dict[str, list[float]]:
+    figures: dict[str, list[float]] = {"gracelm_cold_cache_s": [], "gracelm_warm_cache_s": [],
+                                       "import_torch_s": []}
+    if llama_server:
+        figures["llama_server_s"] = []
+    with tempfile.TemporaryDirectory(prefix="gracelm-bench-cache-") as cache:
+        figures["gracelm_cold_cache_s"].append(gracelm_ready(model, cache))
+        for _ in range(repeat):
+            figures["import_torch_s"].append(import_torch())
+            figures["gracelm_warm_cache_s"].append(gracelm_ready(model, cache))
+            if llama_server:
+                figures["llama_server_s"].append(llama_server_ready(llama_server,
+                                                                    model or str(default_model_path())))
+    return figures
+
+
+def print_figures(figures: dict[str, list[float]]) -> None:
+    for key, values in figures.items():
+        print(f"{key:40s} median {statistics.median(values):7.3f}  (runs: "
+              f"{', '.join(f'{v:.3f}' for v in values)})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--startup", action="store_true", help="measure the start only (see above)")
+    parser.add_argument("--llama-server", default=None, help="with --startup: a llama-server binary")
     args = parser.parse_args()
+    if args.startup:
+        figures = startup(args.model, args.repeat, args.llama_server)
+        print_figures(figures)
+        torch_s = statistics.median(figures["import_torch_s"])
+        for key in figures:
+            if key != "import_torch_s":
+                print(f"{key:40s} / import torch  {statistics.median(figures[key]) / torch_s:5.2f}x")
+        return
     runs = [run_once(args.model) for _ in range(args.repeat)]
     reclaim_stale()  # the last killed supervisor's runtime directory
-    for key in runs[0]:
-        values = [run[key] for run in runs]
-        print(f"{key:40s} median {statistics.median(values):7.3f}  (runs: "
-              f"{', '.join(f'{v:.3f}' for v in values)})")
+    print_figures({key: [run[key] for run in runs] for key in runs[0]})
 
 
 if __name__ == "__main__":

@@ -137,6 +137,13 @@ class EngineConfig:
     kv_cache_memory: str | int | None = option(None, "KV-cache size, e.g. 2GiB (default: a share of the "
                                                      "available memory)", check=_size)
     enable_prefix_caching: bool = option(True, "reuse the KV cache of identical prompt prefixes")
+    kv_cache_dir: str | None = option(None, "keep the prefix cache across restarts in this directory: saved "
+                                            "at a graceful stop, restored at start (default: off)")
+    kv_cache_dir_size: str | int = option("4GiB", "bound on the snapshots in --kv-cache-dir, least recently "
+                                                  "used blocks dropped first", check=_size)
+    kv_cache_save_interval: float = option(0.0, "also save the prefix cache every this many seconds while "
+                                                "serving, so a crash loses at most that much (0: off)",
+                                           check=at_least(0))
     num_threads: int | None = option(None, "CPU threads of each rank (default: its share of the CPUs "
                                            "this process may run on)", check=at_least(1))
     seed: int = option(0, "seed of requests that have none")
@@ -156,3 +163,15 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("dist_init_addr (HOST:PORT) is required when nnodes > 1")
+        self._check_kv_cache_dir()
+
+    def _check_kv_cache_dir(self) -> None:
+        if self.kv_cache_dir is None:
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_cache_dir (--kv-cache-dir) needs enable_prefix_caching: it persists the "
+                             "prefix cache")
+        # Each rank would save its own shard; not built yet, and never silently ignored.
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_cache_dir (--kv-cache-dir) is not supported with tensor_parallel_size > 1 "
+                             "yet")

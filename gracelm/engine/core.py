@@ -28,9 +28,11 @@ import traceback
 
 import zmq
 
+import gracelm.startup_timeline as startup_timeline
 from gracelm.arith import cdiv
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
+from gracelm.engine.kv_persistence import KVPersistence
 from gracelm.engine.messages import CoreState
 from gracelm.engine.request import Request
 from gracelm.engine.scheduler import Scheduler, SchedulerConfig
@@ -55,6 +57,7 @@ class EngineCore:
         self.executor = Executor(config)
         try:
             loaded = self.executor.load_model()
+            startup_timeline.mark("freeze")  # fused, packed; with tensor parallelism, sharded everywhere
             self.model_name = loaded.name
             self.model_config = loaded.config
             self.tokenizer = loaded.tokenizer
@@ -69,7 +72,13 @@ class EngineCore:
                 enable_prefix_caching=config.enable_prefix_caching,
             )
             self.executor.init_kv_cache(num_blocks)
+            startup_timeline.mark("kv_cache")
             self.scheduler = Scheduler(scheduler_config)
+            self.kv_persistence: KVPersistence | None = None
+            if config.kv_cache_dir is not None:  # restored now: before the core says Ready
+                self.kv_persistence = KVPersistence(config, self.executor, self.scheduler.kv_cache,
+                                                    self.tokenizer)
+                self.kv_persistence.restore()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -167,6 +176,8 @@ class EngineCoreProc:
             self.heartbeat.beat()
             if self._stop_due():
                 break
+            if self.core.kv_persistence is not None:
+                self.core.kv_persistence.tick(self._steps)
             if self.core.has_unfinished_requests():
                 self._send_outputs(self.core.step())
                 self._steps += 1
@@ -193,7 +204,8 @@ class EngineCoreProc:
 
     def _receive(self, block: bool) -> None:
         # Blocks only when no request is pending (an idle core costs no CPU); otherwise takes what is there.
-        timeout = None if block else 0
+        persistence = self.core.kv_persistence
+        timeout = persistence.poll_timeout_ms(block) if persistence else (None if block else 0)
         while self.poller.poll(timeout):
             self._handle(msg.decode_to_core(self.input.recv(copy=False).buffer))
             timeout = 0
@@ -226,6 +238,11 @@ class EngineCoreProc:
             logger.info("engine core: shutdown deadline brought forward to %.1f s from now", timeout)
             self._deadline = deadline
 
+    @property
+    def deadline(self) -> float:
+        """The drain's deadline (monotonic), once a stop is requested."""
+        return self._deadline if self._deadline is not None else time.monotonic()
+
     def _stop_due(self) -> bool:
         if self.core.state is not CoreState.REQUESTED:
             return False
@@ -243,6 +260,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
     `log_level` is the frontend's, so that the core is as verbose as the process that started it.
     """
+    startup_timeline.begin().mark("core_import")
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
@@ -284,18 +302,31 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
     ledger.acquire(ResourceKind.MODEL, f"engine core: executor of {core.model_name}",
                    lambda: executor_reports.append(core.executor.shutdown()), timeout=30)
     output_socket.send(msg.encode(msg.Ready(core.max_model_len, core.model_name,
-                                            dataclasses.asdict(core.model_config), core.tokenizer.to_dict())))
+                                            dataclasses.asdict(core.model_config), core.tokenizer.to_dict(),
+                                            _startup_marks())))
+    proc = EngineCoreProc(core, input_socket, output_socket, heartbeat)
     try:
-        EngineCoreProc(core, input_socket, output_socket, heartbeat).run()
+        proc.run()
     except Exception as e:
         logger.exception("engine core failed")
         output_socket.send(msg.encode(msg.FatalError(f"{type(e).__name__}: {e}", traceback.format_exc())))
         ledger.release_all()
         return ExitCode.FATAL
+    # After the last request, before the executor frees the KV cache: a fatal stop above saves nothing.
+    saved = (core.kv_persistence.save_at_stop(proc.deadline, heartbeat.beat) if core.kv_persistence
+             else ShutdownReport())
     report = ledger.release_all()
-    resources = [r for part in (*executor_reports, report) for r in part.to_dict()["resources"]]
+    resources = [r for part in (saved, *executor_reports, report) for r in part.to_dict()["resources"]]
     output_socket.send(msg.encode(msg.Stopped(resources)))
     return ExitCode.CLEAN_STOP
+
+
+def _startup_marks() -> list[tuple[str, float]]:
+    """This process's start-up, for the supervisor's timeline: its creation ends the spawn."""
+    timeline = startup_timeline.current()
+    assert timeline is not None  # begun by `run_engine_core`
+    timeline.mark("scheduler")
+    return [("spawn", timeline.origin), *timeline.marks]
 
 
 def _signal_parent() -> None:

@@ -18,6 +18,7 @@ import time
 
 import zmq
 
+import gracelm.startup_timeline as startup_timeline
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
 from gracelm.engine.core_monitor import CoreMonitor
@@ -72,6 +73,7 @@ class EngineCoreClient:
                 self.runtime_dir.ipc_address("output.sock"), str(heartbeat.path),
                 logging.getLogger().getEffectiveLevel())
         try:
+            startup_timeline.mark("prepare")
             self.process: ChildProcess = start_process("EngineCore", PROCESS_TITLE, CORE_ENTRY, args)
             ledger.acquire(ResourceKind.PROCESS, f"engine core pid {self.process.pid}", self._stop_process,
                            timeout=self._stop_process_bound, force=self.process.process.kill)
@@ -97,6 +99,10 @@ class EngineCoreClient:
             raise EngineStartupError(f"engine core died during start-up: {reply.message}")
         if not isinstance(reply, msg.Ready):
             raise EngineStartupError(f"engine core sent {type(reply).__name__} instead of its ready message")
+        timeline = startup_timeline.current()
+        if timeline is not None:  # the core's phases take their place in this process's timeline
+            timeline.extend(reply.startup_marks)
+            timeline.mark("handoff")
         return reply
 
     @property

@@ -43,6 +43,9 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # request id -> its leading blocks already in the cache
         self.prefix_cache_queries = 0  # tokens looked up, counted once per admission
         self.prefix_cache_hits = 0  # of those, tokens found in the cache
+        self._restored: set[int] = set()  # cached blocks whose contents came from a snapshot on disk
+        self.num_restored_blocks = 0
+        self.restored_block_hits = 0  # admissions' prefix blocks that were restored ones
 
     @property
     def num_total_blocks(self) -> int:
@@ -96,6 +99,7 @@ class KVCacheManager:
         if not request.block_ids and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(computed_blocks) * self.block_size
+            self.restored_block_hits += sum(1 for block in computed_blocks if block in self._restored)
         for block in computed_blocks:
             if self._ref_counts[block] == 0:
                 del self._evictable[block]
@@ -146,6 +150,7 @@ class KVCacheManager:
         for block in self._cached.values():
             self._block_hash[block] = None
         self._cached.clear()
+        self._restored.clear()
         self._free.extend(self._evictable)
         self._evictable.clear()
 
@@ -155,6 +160,7 @@ class KVCacheManager:
         block, _ = self._evictable.popitem(last=False)
         del self._cached[self._block_hash[block]]
         self._block_hash[block] = None
+        self._restored.discard(block)
         return block
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
@@ -163,3 +169,31 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             start = len(hashes) * size
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start:start + size]))
+
+    # -- persistence across restarts (`kv_persistence.py`) -------------------------------------------
+
+    def cached_blocks_by_recency(self) -> list[tuple[bytes, int]]:
+        """(hash, block) of every cached block, most recently used first: blocks held by requests count as
+        the most recent, then the evictable ones from the last released to the least recently used."""
+        held = [(h, b) for h, b in self._cached.items() if self._ref_counts[b] > 0]
+        released = [(self._block_hash[b] or b"", b) for b in reversed(self._evictable)]
+        return held + released
+
+    def holds(self, block: int, block_hash: bytes) -> bool:
+        """Whether the block still holds the tokens of that hash (it may have been evicted and reused)."""
+        return self._block_hash[block] == block_hash
+
+    def restore_block(self, block_hash: bytes) -> int | None:
+        """Registers a block read from a snapshot as cached and evictable, behind every block registered so
+        far (restoring most recent first rebuilds the LRU order); its id, for the caller to fill, or None
+        when the hash is cached already or no free block is left (restored blocks never evict)."""
+        if not self.enable_prefix_caching or block_hash in self._cached or not self._free:
+            return None
+        block = self._free.popleft()
+        self._cached[block_hash] = block
+        self._block_hash[block] = block_hash
+        self._evictable[block] = None
+        self._evictable.move_to_end(block, last=False)
+        self._restored.add(block)
+        self.num_restored_blocks += 1
+        return block

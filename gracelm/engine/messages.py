@@ -57,6 +57,8 @@ class Ready(msgspec.Struct, tag=True):
     model_name: str
     model_config: dict  # `ModelConfig` fields
     tokenizer: dict  # `Tokenizer.to_dict()`: the frontend rebuilds it without transformers or torch
+    # (phase, monotonic time it ended) of the core's start, for the supervisor's timeline (startup_timeline)
+    startup_marks: list[tuple[str, float]] = msgspec.field(default_factory=list)
 
 
 class StartupFailed(msgspec.Struct, tag=True):

@@ -214,6 +214,8 @@ class Scheduler:
             "kv_usage": kv.usage,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "prefix_cache_queries": kv.prefix_cache_queries,
+            "kv_restored_blocks": kv.num_restored_blocks,
+            "kv_restored_block_hits": kv.restored_block_hits,
         }
 
     def _chunk(self, num_remaining: int, budget: int) -> int:

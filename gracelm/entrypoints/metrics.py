@@ -50,11 +50,18 @@ class ServerMetrics:
         self.kv_free = gauge("gracelm_kv_cache_blocks_free", "KV-cache blocks free (cached ones included).")
         self.prefix_hit_rate = gauge("gracelm_prefix_cache_hit_rate",
                                      "Prefix-cache hits over queries since start (0..1).")
+        self.kv_restored = gauge("gracelm_kv_restored_blocks",
+                                 "Prefix-cache blocks restored from --kv-cache-dir at start.")
+        self.kv_restored_hits = gauge("gracelm_kv_restored_block_hits",
+                                      "Prefix-cache hits, in blocks, on blocks restored from --kv-cache-dir.")
         self.lifecycle = gauge("gracelm_lifecycle_state", "1 for the server's current lifecycle state.",
                                ("state",))
         self.core_state = gauge("gracelm_engine_core_state",
                                 "1 for the engine core's shutdown state (running, requested, shutting_down).",
                                 ("state",))
+        self.startup_phase = gauge("gracelm_startup_phase_seconds",
+                                   "Seconds each phase of the start took (set once; phase total: all).",
+                                   ("phase",))
         self.prompt_tokens = Counter("gracelm_prompt_tokens", "Prompt tokens processed.", [*label],
                                      registry=None)
         self.generation_tokens = Counter("gracelm_generation_tokens", "Tokens generated.", [*label],
@@ -83,6 +90,8 @@ class ServerMetrics:
         queries = stats.get("prefix_cache_queries", 0)
         self.prefix_hit_rate.labels(**self._label).set(stats.get("prefix_cache_hits", 0) / queries
                                                        if queries else 0.0)
+        self.kv_restored.labels(**self._label).set(stats.get("kv_restored_blocks", 0))
+        self.kv_restored_hits.labels(**self._label).set(stats.get("kv_restored_block_hits", 0))
 
     def set_lifecycle(self, state: str) -> None:
         for name in self._states:
@@ -92,6 +101,10 @@ class ServerMetrics:
         """`None`: the core is gone; no state is 1."""
         for name in self._core_states:
             self.core_state.labels(**self._label, state=name).set(1.0 if name == state else 0.0)
+
+    def set_startup_phases(self, phases: dict[str, float]) -> None:
+        for phase, seconds in phases.items():
+            self.startup_phase.labels(**self._label, phase=phase).set(seconds)
 
     def request_tracker(self, num_prompt_tokens: int) -> RequestTracker:
         return RequestTracker(self, num_prompt_tokens)

@@ -43,6 +43,7 @@ class ResourceKind(enum.StrEnum):
     PROCESS_GROUP = "process group"
     MODEL = "model"
     KV_CACHE = "kv cache"
+    KV_SNAPSHOT = "kv snapshot"
     SIGNAL_HANDLERS = "signal handlers"
 
 

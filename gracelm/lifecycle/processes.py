@@ -88,6 +88,10 @@ class ChildProcess:
         descendants = _descendants(self.pid)
         self.process.join(timeout)
         outcome = "exited"
+        # A join that lost the reaping race to another thread (the core monitor's `reaped_exitcode`) sees a
+        # child still "alive" although it has exited: ask again before signalling a pid that may be reused.
+        if self.process.is_alive() and mp.connection.wait([self.sentinel], 0):
+            reaped_exitcode(self.process)
         if self.process.is_alive():
             logger.warning("%s (pid %d) did not exit within %.1f s; sending SIGTERM",
                            self.name, self.pid, timeout)

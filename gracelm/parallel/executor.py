@@ -125,6 +125,17 @@ class Executor:
     def release_requests(self, request_ids: list[str]) -> None:
         self._driver.release_requests(request_ids)
 
+    # -- KV-cache snapshots: rank 0's shard only; `EngineConfig` refuses kv_cache_dir with N > 1 --------
+
+    def kv_layout(self) -> dict:
+        return self._driver.kv_layout()
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        return self._driver.read_kv_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], contents: list[bytes]) -> None:
+        self._driver.write_kv_blocks(block_ids, contents)
+
     def shutdown(self) -> ShutdownReport:
         """Stops the workers and frees everything; idempotent. The report lists rank 0's resources, then
         each worker's own teardown."""

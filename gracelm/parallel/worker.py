@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from gracelm.config import EngineConfig, ModelConfig, parse_size
-from gracelm.model.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
@@ -111,6 +111,37 @@ class Worker:
     def release_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+
+    def kv_layout(self) -> dict:
+        """What the bytes of one block mean (part of a KV snapshot's fingerprint)."""
+        assert self.loaded is not None
+        shard = self.shard_config
+        return {"layout": KV_CACHE_LAYOUT, "dtype": str(self.loaded.dtype),
+                "block_size": self.config.block_size, "num_layers": shard.num_hidden_layers,
+                "kv_heads": shard.num_key_value_heads, "head_dim": shard.head_dim,
+                "block_bytes": self.kv_block_bytes()}
+
+    @torch.no_grad()
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The contents of these blocks, each as one `kv_block_bytes()` string: every layer's K and V."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        # [blocks, 2, kv_heads, block_size, head_dim] of each layer, as bytes, side by side per block.
+        layers = [cache.index_select(2, ids).permute(2, 0, 1, 3, 4).contiguous().view(torch.uint8)
+                  .reshape(len(block_ids), -1) for cache in self.kv_caches]
+        rows = torch.cat(layers, dim=1).numpy()
+        return [row.tobytes() for row in rows]
+
+    @torch.no_grad()
+    def write_kv_blocks(self, block_ids: list[int], contents: list[bytes]) -> None:
+        """Fills these blocks with contents `read_kv_blocks` gave (of a cache of the same layout)."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        rows = torch.frombuffer(bytearray(b"".join(contents)), dtype=torch.uint8).reshape(len(block_ids), -1)
+        per_layer = rows.shape[1] // len(self.kv_caches)
+        for index, cache in enumerate(self.kv_caches):
+            _, heads, _, block_size, head_dim = cache.shape
+            part = rows[:, index * per_layer:(index + 1) * per_layer].contiguous().view(cache.dtype)
+            cache.index_copy_(2, ids, part.reshape(len(block_ids), 2, heads, block_size, head_dim)
+                              .permute(1, 2, 0, 3, 4))
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []

@@ -1,0 +1,136 @@
+"""The FastAPI app of `gracelm serve`: the OpenAI-compatible routes, `/health`, `/ready`, `/metrics` and
+`/version`, in front of an `AsyncEngine`. Its lifespan turns the server RUNNING and reports the start-up
+timeline (`startup_timeline`): one log line and the `gracelm_startup_phase_seconds` gauges.
+
+Imported while the engine core loads (`api_server._serve`), since FastAPI, pydantic and uvicorn take about a
+second to import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+from collections.abc import AsyncIterator
+
+import pydantic
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import gracelm.startup_timeline as startup_timeline
+from gracelm.engine.async_engine import AsyncEngine
+from gracelm.engine.errors import EngineDeadError
+from gracelm.entrypoints.api_errors import from_validation_error, install_error_handlers
+from gracelm.entrypoints.metrics import ServerMetrics
+from gracelm.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gracelm.entrypoints.request_guards import BodySizeLimit, api_key_dependency
+from gracelm.entrypoints.server_config import ServerConfig
+from gracelm.entrypoints.serving_chat import ServingChat
+from gracelm.entrypoints.serving_completion import ServingCompletion
+from gracelm.entrypoints.stats_logger import log_stats_forever
+from gracelm.lifecycle.ledger import Ledger, ResourceKind
+from gracelm.lifecycle.server_state import Lifecycle, ServerState
+
+logger = logging.getLogger("gracelm.server")
+
+
+def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, metrics: ServerMetrics,
+              ledger: Ledger) -> FastAPI:
+    """The FastAPI app serving `engine`; its lifespan moves `state` to RUNNING and back to STOPPING."""
+    model_name = settings.served_model_name or engine.model_name
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        tasks = []
+        if settings.stats_interval > 0:
+            task = asyncio.create_task(log_stats_forever(engine, metrics, settings.stats_interval),
+                                       name="stats-logger")
+            tasks.append((task, ledger.acquire(ResourceKind.TASK, "asyncio task stats-logger", task.cancel,
+                                               inline=True)))
+        state.set(Lifecycle.RUNNING)
+        _report_startup(metrics)
+        try:
+            yield
+        finally:
+            if state.alive:
+                state.set(Lifecycle.STOPPING)
+            for _, handle in tasks:
+                ledger.release(handle)
+            await asyncio.gather(*(task for task, _ in tasks), return_exceptions=True)
+
+    app = FastAPI(title="gracelm", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)
+    chat = ServingChat(engine, state, metrics, model_name)
+    completion = ServingCompletion(engine, state, metrics, model_name)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = state.alive and not engine.failed
+        return JSONResponse({"status": "ok" if alive else "dead", "state": state.lifecycle.value},
+                            status_code=200 if alive else 503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = state.ready and not engine.failed
+        return JSONResponse({"ready": ok, "state": state.lifecycle.value}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if engine.is_running:
+            # The engine may end while we ask; the scrape still answers, with the lifecycle state saying so.
+            with contextlib.suppress(EngineDeadError):
+                metrics.set_engine_stats(await engine.stats())
+        else:
+            metrics.set_core_state(None)
+        metrics.set_lifecycle(state.lifecycle.value)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    deps = [Depends(api_key_dependency(settings.api_key))] if settings.api_key else []
+    v1 = APIRouter(prefix="/v1", dependencies=deps)
+
+    @v1.get("/models")
+    async def models() -> dict:
+        card = ModelCard(id=model_name, max_model_len=engine.config.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @v1.post("/chat/completions")
+    async def chat_completions(raw_request: Request) -> Response:
+        return await chat.create(await _parse(raw_request, ChatCompletionRequest), raw_request)
+
+    @v1.post("/completions")
+    async def completions(raw_request: Request) -> Response:
+        return await completion.create(await _parse(raw_request, CompletionRequest), raw_request)
+
+    app.include_router(v1)
+    return app
+
+
+async def _parse(raw_request: Request, model: type[pydantic.BaseModel]):
+    try:
+        return model.model_validate_json(await raw_request.body())
+    except pydantic.ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("gracelm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _report_startup(metrics: ServerMetrics) -> None:
+    """The start-up is over once the app runs: its timeline, logged once and kept in /metrics."""
+    timeline = startup_timeline.current()
+    if timeline is None:
+        return
+    timeline.mark("http")
+    logger.info("start-up timeline (ms): %s", timeline.summary())
+    metrics.set_startup_phases({**timeline.phases(), "total": timeline.total()})

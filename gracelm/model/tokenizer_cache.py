@@ -1,0 +1,56 @@
+"""Converted tokenizers, kept on disk: building one goes through transformers (importing it alone takes
+seconds, and a GGUF vocabulary is converted on top), while its serialized form (`Tokenizer.to_dict`) loads
+with the `tokenizers` library in a fraction of that.
+
+An entry is `cache_dir("tokenizers")/<content hash>-v<FORMAT_VERSION>.json`, keyed by the model files'
+content hash (`file_hash.content_hash`), so a changed file never reuses an old entry. A hit imports no
+transformers. An entry that cannot be read back (torn by hand, a format a bug wrote) is logged, deleted and
+built again: the cache can only cost a rebuild, never a start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from gracelm.cache_dir import cache_dir, write_atomic
+from gracelm.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Bump when `Tokenizer.to_dict` or the way a tokenizer is built changes what an entry holds.
+FORMAT_VERSION = 1
+
+
+def cached_tokenizer(model_hash: str, build: Callable[[], Tokenizer]) -> Tokenizer:
+    """The tokenizer of the model whose content hash is `model_hash`: from the cache, else `build()`
+    (then stored)."""
+    path = entry_path(model_hash)
+    tokenizer = _read(path)
+    if tokenizer is not None:
+        return tokenizer
+    tokenizer = build()
+    try:
+        write_atomic(path, json.dumps(tokenizer.to_dict()).encode())
+    except OSError as e:  # a read-only or full disk: serve anyway, convert again next time
+        logger.warning("cannot keep the converted tokenizer in %s: %s", path, e)
+    return tokenizer
+
+
+def entry_path(model_hash: str) -> Path:
+    return cache_dir("tokenizers") / f"{model_hash}-v{FORMAT_VERSION}.json"
+
+
+def _read(path: Path) -> Tokenizer | None:
+    try:
+        data = json.loads(path.read_bytes())
+        return Tokenizer.from_dict(data)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # whatever a damaged entry raises: json, a KeyError, the tokenizers library
+        logger.warning("tokenizer cache entry %s is unreadable (%s: %s); building the tokenizer again",
+                       path, type(e).__name__, e)
+        path.unlink(missing_ok=True)
+        return None

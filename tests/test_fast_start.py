@@ -1,0 +1,194 @@
+"""Fast start (docs/architecture.md, "Start-up"): the converted tokenizer and weights are kept in the cache
+directory and a hit gives exactly what a cold start gives, without transformers; a damaged entry is rebuilt,
+never fatal; the weights cache stays bounded; the KV cache costs no memset; the supervisor logs one start-up
+timeline and exposes it in /metrics; the progress line shows on a terminal only."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gracelm.config import ModelConfig
+from gracelm.model import weight_cache
+from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.file_hash import content_hash
+from gracelm.model.load_progress import load_progress
+from gracelm.model.loader import load_model
+from gracelm.model.tokenizer_cache import entry_path as tokenizer_entry
+from gracelm.model.weight_cache import MAX_ENTRIES, cached_weights
+from gracelm.model.weight_cache import entry_path as weights_entry
+from tests.server_process import ServerProcess
+from tests.test_gguf import gguf_layout, hf_model, run_prefill, write_gguf
+from tests.tiny_models import tiny_model
+
+TEXT = "the cat runs <|im_end|> into the river"
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def gguf_file(tmp_path: Path) -> Path:
+    """A tiny quantized GGUF file of its own (a content hash no other test shares)."""
+    model = hf_model("llama", seed=7)
+    return write_gguf(tmp_path / "tiny.gguf", gguf_layout(model, "llama"), Q.Q8_0)
+
+
+def fingerprint(path: Path) -> tuple:
+    """What a start gives: greedy tokens, logits, tokenizer ids and stop tokens."""
+    loaded = load_model(path, dtype="float32")
+    logits = run_prefill(loaded.model, list(range(3, 16)))
+    tokenizer = loaded.tokenizer
+    return (logits.argmax(-1).tolist(), logits, tokenizer.encode(TEXT), tokenizer.apply_chat_template(CHAT),
+            tokenizer.eos_token_ids)
+
+
+def test_a_cache_hit_equals_a_cold_start(gguf_file: Path) -> None:
+    model_hash = content_hash(gguf_file)
+    assert not weights_entry(model_hash, torch.float32).exists()
+    cold = fingerprint(gguf_file)
+    assert weights_entry(model_hash, torch.float32).is_file() and tokenizer_entry(model_hash).is_file()
+    warm = fingerprint(gguf_file)
+    assert cold[0] == warm[0]
+    assert torch.equal(cold[1], warm[1])
+    assert cold[2:] == warm[2:]
+
+
+def test_a_cache_hit_imports_no_transformers(gguf_file: Path) -> None:
+    load_model(gguf_file, dtype="float32")  # fills the cache (the suite's, which the child inherits)
+    code = ("import sys; from gracelm.model.loader import load_model; "
+            f"load_model({str(gguf_file)!r}, dtype='float32'); print('transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env=os.environ)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "other tensors"])
+def test_a_damaged_weights_entry_is_rebuilt_with_a_log_line(gguf_file: Path, damage: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    cold = fingerprint(gguf_file)
+    entry = weights_entry(content_hash(gguf_file), torch.float32)
+    data = entry.read_bytes()
+    if damage == "truncated":
+        entry.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        entry.write_bytes(os.urandom(len(data)))
+    else:  # a valid safetensors file, of something else
+        from safetensors.torch import save_file
+
+        save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, entry)
+    with caplog.at_level(logging.WARNING, logger="gracelm.model.weight_cache"):
+        rebuilt = fingerprint(gguf_file)
+    assert f"converted-weights cache entry {entry} is " in caplog.text
+    assert "converting the weights again" in caplog.text
+    assert torch.equal(rebuilt[1], cold[1]) and rebuilt[2:] == cold[2:]
+    assert entry.read_bytes() == data  # rebuilt, the same bytes
+
+
+@pytest.mark.parametrize("damage", [b"", b"{not json", b'{"backend": "{}"}'])
+def test_a_damaged_tokenizer_entry_is_rebuilt_with_a_log_line(gguf_file: Path, damage: bytes,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    cold = fingerprint(gguf_file)
+    entry = tokenizer_entry(content_hash(gguf_file))
+    entry.write_bytes(damage)
+    with caplog.at_level(logging.WARNING, logger="gracelm.model.tokenizer_cache"):
+        rebuilt = fingerprint(gguf_file)
+    assert f"tokenizer cache entry {entry} is unreadable" in caplog.text
+    assert rebuilt[2:] == cold[2:]
+    assert entry.stat().st_size > 1000  # written again, whole
+
+
+def test_a_directory_model_keeps_its_tokenizer_too() -> None:
+    directory = tiny_model("llama")
+    first = load_model(directory).tokenizer
+    assert tokenizer_entry(content_hash(directory)).is_file()
+    again = load_model(directory).tokenizer
+    assert again.encode(TEXT) == first.encode(TEXT) and again.eos_token_ids == first.eos_token_ids
+
+
+def test_the_weights_cache_keeps_the_most_recently_used_entries(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
+    shapes = {"w": (2, 3)}
+    hashes = [f"{i:064x}" for i in range(MAX_ENTRIES + 2)]
+    folder = weights_entry(hashes[0], torch.float32).parent
+    stale_version = folder / f"{hashes[0]}-float32-v0.safetensors"
+    stale_version.write_bytes(b"old format")
+    for i, model_hash in enumerate(hashes):
+        cached_weights(model_hash, torch.float32, shapes, lambda: {"w": torch.zeros(2, 3)})
+        os.utime(weights_entry(model_hash, torch.float32), (1000 + i, 1000 + i))
+        if i == 1:  # used again: the newest for a while
+            cached_weights(hashes[0], torch.float32, shapes, lambda: pytest.fail("a hit converts nothing"))
+            os.utime(weights_entry(hashes[0], torch.float32), (5000, 5000))
+    kept = sorted(p.name for p in folder.iterdir())
+    assert len(kept) == MAX_ENTRIES
+    assert weights_entry(hashes[0], torch.float32).name in kept  # recently used, older by its writing
+    assert weights_entry(hashes[1], torch.float32).name not in kept
+    assert not stale_version.exists()
+
+
+def test_an_unwritable_cache_serves_anyway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
+
+    def refuse(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weight_cache, "write_atomic", refuse)
+    weights = cached_weights("ab" * 32, torch.float32, {"w": (2,)}, lambda: {"w": torch.ones(2)})
+    assert torch.equal(weights["w"], torch.ones(2))
+    assert "cannot keep the converted weights" in caplog.text
+
+
+def test_the_kv_cache_is_zero_and_writable() -> None:
+    config = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 8,
+                                         "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                                         "num_attention_heads": 2, "num_key_value_heads": 1,
+                                         "max_position_embeddings": 64, "rms_norm_eps": 1e-6})
+    caches = allocate_kv_cache(config, num_blocks=5, block_size=4, dtype=torch.bfloat16)
+    assert [tuple(c.shape) for c in caches] == [(2, 1, 5, 4, 8)] * 2
+    assert all(c.dtype == torch.bfloat16 and c.is_contiguous() and not c.any() for c in caches)
+    caches[0][0, 0, 3] = 1.5  # one block of keys: 4 tokens of 8 values
+    assert caches[0].sum() == 4 * 8 * 1.5 and not caches[1].any()  # layers do not share memory
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_progress_line_shows_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch, terminal: bool) -> None:
+    stream = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    assert list(load_progress(range(3), 3, "converting weights")) == [0, 1, 2]
+    assert ("converting weights: 100%" in stream.getvalue()) == terminal
+
+
+PHASES = ("boot", "bind", "prepare", "spawn", "core_import", "weights", "model", "tokenizer", "freeze",
+          "kv_cache", "scheduler", "handoff", "frontend", "http_import", "http")
+
+
+def test_the_start_up_timeline_is_logged_once_and_in_metrics() -> None:
+    with ServerProcess(tiny_model("llama"), "--kv-cache-memory", "1MiB", "--num-threads", "1",
+                       "--stats-interval", "0") as server:
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        log = server.log()
+    lines = [line for line in log.splitlines() if "start-up timeline (ms): " in line]
+    assert len(lines) == 1, log[-3000:]
+    timeline = dict(part.rsplit(" ", 1) for part in lines[0].split("start-up timeline (ms): ")[1].split(", "))
+    assert tuple(timeline) == (*PHASES, "total"), lines[0]
+    assert all(int(ms) >= 0 for ms in timeline.values())
+    assert abs(sum(int(timeline[p]) for p in PHASES) - int(timeline["total"])) <= len(PHASES)
+    gauges = dict(re.findall(r'gracelm_startup_phase_seconds\{[^}]*phase="(\w+)"\} (\S+)', metrics))
+    assert set(gauges) == {*PHASES, "total"}
+    assert float(gauges["total"]) == pytest.approx(int(timeline["total"]) / 1000, abs=0.002)
