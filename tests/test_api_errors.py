@@ -57,6 +57,19 @@ def _chat(server, body: dict | str | bytes, **kwargs) -> httpx.Response:
                       headers={"Content-Type": "application/json"}, **kwargs)
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_that_is_not_declared_json_is_refused(server, content_type):
+    body = b'{"prompt": "hi", "max_tokens": 1}'  # valid JSON: only its declared type is wrong
+    refused = httpx.post(f"{server.url}/v1/completions", content=body, headers={"Content-Type": content_type},
+                         timeout=60)
+    _error(refused, 415, param="Content-Type", code="unsupported_media_type")
+    for accepted in ("application/json; charset=utf-8", None):
+        headers = {} if accepted is None else {"Content-Type": accepted}
+        assert httpx.post(f"{server.url}/v1/completions", content=body, headers=headers,
+                          timeout=60).status_code == 200
+
+
 def test_malformed_json(server):
     _error(_chat(server, b'{"messages": [}'), 400, code="invalid_json")
     _error(_chat(server, b"[1, 2]"), 400)

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 import gracelm.startup_timeline as startup_timeline
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
-from gracelm.entrypoints.api_errors import from_validation_error, install_error_handlers
+from gracelm.entrypoints.api_errors import APIError, from_validation_error, install_error_handlers
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gracelm.entrypoints.request_guards import BodySizeLimit, api_key_dependency
@@ -113,10 +113,24 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
 
 
 async def _parse(raw_request: Request, model: type[pydantic.BaseModel]):
+    _check_json_content_type(raw_request.headers.get("content-type"))
     try:
         return model.model_validate_json(await raw_request.body())
     except pydantic.ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def _check_json_content_type(content_type: str | None) -> None:
+    """A body is read as JSON only when it says it is JSON (or says nothing, as FastAPI allows): a web page
+    may send `text/plain` or a form to a localhost server without asking it first (no CORS preflight), so
+    such a body is refused instead of obeyed."""
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got "
+                            f"Content-Type: {content_type}", param="Content-Type",
+                       code="unsupported_media_type")
 
 
 def _version() -> str:
