@@ -166,3 +166,19 @@ def test_report_table_and_json(tmp_path):
     assert [(r["kind"], r["outcome"]) for r in data["resources"]] == [("process group", "failed"),
                                                                        ("kv cache", "released")]
     assert all(isinstance(r["ms"], float) for r in data["resources"])
+
+
+def test_a_stop_that_had_to_force_anything_exits_with_the_fatal_code():
+    from gracelm.entrypoints.api_server import stop_exit_code
+    from gracelm.lifecycle.exit_codes import ExitCode
+
+    clean = Ledger()
+    clean.acquire(ResourceKind.SOCKET, "listener", lambda: None)
+    assert stop_exit_code(ExitCode.CLEAN_STOP, clean.release_all()) is ExitCode.CLEAN_STOP
+    forced = Ledger()
+    forced.acquire(ResourceKind.PROCESS, "a child that will not stop", lambda: time.sleep(1), timeout=0.1,
+                   force=lambda: None)
+    report = forced.release_all()
+    assert [r.outcome for r in report.not_released] == [Outcome.FORCED]
+    assert stop_exit_code(ExitCode.CLEAN_STOP, report) is ExitCode.FATAL
+    assert stop_exit_code(ExitCode.FATAL, clean.release_all()) is ExitCode.FATAL

@@ -28,7 +28,7 @@ from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.messages import CoreState
 from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.lifecycle.exit_codes import ExitCode
-from gracelm.lifecycle.ledger import Ledger, ResourceKind
+from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.processes import exit_process
 from gracelm.lifecycle.server_state import Lifecycle, ServerState
 from gracelm.lifecycle.signals import HANDLED_SIGNALS, SignalHandler, SignalPolicy, StartupInterrupted
@@ -121,8 +121,19 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
         logger.info("HTTP server stopped")
     finally:
         # The drain is over (or was cut short): the core has nothing left to finish.
-        engine.shutdown(timeout=0)
-    return supervisor.exit_code
+        report = engine.shutdown(timeout=0)
+    return stop_exit_code(supervisor.exit_code, report)
+
+
+def stop_exit_code(code: ExitCode, report: ShutdownReport) -> ExitCode:
+    """A stop that had to force a resource (a child killed, a release timed out) or failed to free one is
+    not a clean stop: systemd and Kubernetes must be able to tell, so it exits with the fatal code."""
+    forced = report.not_released
+    if code is ExitCode.CLEAN_STOP and forced:
+        names = ", ".join(f"{r.name} ({r.outcome.value})" for r in forced)
+        logger.error("the stop was not clean: %s; exiting with code %d", names, ExitCode.FATAL)
+        return ExitCode.FATAL
+    return code
 
 
 def _fatal_report(supervisor: Supervisor) -> str | None:

@@ -75,6 +75,11 @@ class ShutdownReport:
         return all(r.outcome is not Outcome.FAILED for r in self.resources)
 
     @property
+    def not_released(self) -> list[ResourceReport]:
+        """What had to be forced or could not be freed: a stop with any is not a clean one."""
+        return [r for r in self.resources if r.outcome is not Outcome.RELEASED]
+
+    @property
     def total_ms(self) -> float:
         return sum(r.ms for r in self.resources)
 
