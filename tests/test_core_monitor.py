@@ -26,6 +26,14 @@ from gracelm.lifecycle.processes import ChildProcess, start_process
 HANG_TIMEOUT_S = 0.6
 
 
+def drain(monitor: CoreMonitor) -> list:
+    """Everything in the monitor's inbox so far, in order."""
+    items = []
+    while not monitor.inbox.empty():
+        items.append(monitor.inbox.get_nowait())
+    return items
+
+
 class FakeProcess:
     """What the monitor reads of a core process: pid, a sentinel that turns readable at death, a status."""
 
@@ -80,10 +88,7 @@ class FakeCore:
 
     def inbox(self) -> list:
         self.monitor.wait_end(5)
-        items = []
-        while not self.monitor.inbox.empty():
-            items.append(self.monitor.inbox.get_nowait())
-        return items
+        return drain(self.monitor)
 
     def close(self) -> None:
         self.monitor.close()
@@ -353,10 +358,7 @@ class RealCore:
         return self.heard[0]
 
     def inbox(self) -> list:
-        items = []
-        while not self.monitor.inbox.empty():
-            items.append(self.monitor.inbox.get_nowait())
-        return items
+        return drain(self.monitor)
 
     def close(self) -> None:
         self.monitor.close()
