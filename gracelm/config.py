@@ -171,7 +171,9 @@ class EngineConfig:
         if not self.enable_prefix_caching:
             raise ValueError("kv_cache_dir (--kv-cache-dir) needs enable_prefix_caching: it persists the "
                              "prefix cache")
-        # Each rank would save its own shard; not built yet, and never silently ignored.
-        if self.tensor_parallel_size > 1:
-            raise ValueError("kv_cache_dir (--kv-cache-dir) is not supported with tensor_parallel_size > 1 "
-                             "yet")
+        # With tensor parallelism each rank saves its shard at the stop; the periodic save copies blocks
+        # between steps on rank 0 alone, so it would need the same between the workers' steps: not built,
+        # and never silently ignored.
+        if self.tensor_parallel_size > 1 and self.kv_cache_save_interval > 0:
+            raise ValueError("kv_cache_save_interval (--kv-cache-save-interval) is not supported with "
+                             "tensor_parallel_size > 1 yet; --kv-cache-dir is (saved at a graceful stop)")

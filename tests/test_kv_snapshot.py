@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from gracelm import Engine, SamplingParams
+from gracelm.config import EngineConfig
 from gracelm.engine import kv_snapshot as snap
 from gracelm.engine.kv_cache_manager import KVCacheManager
 from gracelm.engine.request import Request
@@ -295,3 +296,47 @@ def test_serve_restart_after_sigterm_hits_the_restored_cache(model, kv_dir):
         assert metric_value(metrics, "gracelm_prefix_cache_hit_rate") > 0
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
     assert_nothing_left()
+
+
+# -- tensor parallelism: each rank its own shard, a block used only if every rank has it ------------------
+
+TP2 = {"tensor_parallel_size": 2, "kv_cache_memory": "4MiB"}
+
+
+def _rank_file(kv_dir: Path, rank: int) -> Path:
+    [path] = kv_dir.glob(f"kv-*-rank{rank}.snap")
+    return path
+
+
+def _block_count(path: Path) -> int:
+    data = path.read_bytes()
+    header_len = int.from_bytes(data[8:12], "little")
+    return int.from_bytes(data[12 + header_len + 4:12 + header_len + 12], "little")
+
+
+def test_tp2_restart_restores_every_ranks_shard(model, kv_dir):
+    prompt = _prompt(6)
+    cold, warm = _saved(model, kv_dir, prompt, **TP2)
+    assert len(snap.snapshot_files(kv_dir)) == 2
+    assert _block_count(_rank_file(kv_dir, 0)) == _block_count(_rank_file(kv_dir, 1)) >= PREFIX_TOKENS // 16
+    result, before, after = _restarted(model, kv_dir, prompt, **TP2)
+    assert before["kv_restored_blocks"] == _block_count(_rank_file(kv_dir, 0))
+    assert after["kv_restored_block_hits"] == PREFIX_TOKENS // 16
+    assert result == warm and result[0] == cold[0]
+
+
+def test_tp2_a_block_damaged_on_rank1_is_used_on_no_rank(model, kv_dir):
+    prompt = _prompt(7)
+    cold, _ = _saved(model, kv_dir, prompt, **TP2)
+    _flip_first_block(_rank_file(kv_dir, 1))  # the prefix's first block, intact on rank 0
+    result, before, after = _restarted(model, kv_dir, prompt, **TP2)
+    # Rank 0 placed it, rank 1 could not fill it: taken back, while the others are restored on both.
+    assert before["kv_restored_blocks"] == _block_count(_rank_file(kv_dir, 0)) - 1
+    assert after["kv_restored_block_hits"] == 0 and after["prefix_cache_hits"] == 0
+    assert result == cold
+
+
+def test_tp2_refuses_the_periodic_save(model, kv_dir):
+    assert EngineConfig(model=model, kv_cache_dir=str(kv_dir), tensor_parallel_size=2).kv_cache_dir
+    with pytest.raises(ValueError, match=r"--kv-cache-save-interval.*tensor_parallel_size > 1"):
+        EngineConfig(model=model, kv_cache_dir=str(kv_dir), tensor_parallel_size=2, kv_cache_save_interval=5)

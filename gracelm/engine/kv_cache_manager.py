@@ -197,3 +197,16 @@ class KVCacheManager:
         self._restored.add(block)
         self.num_restored_blocks += 1
         return block
+
+    def forget_restored(self, block: int) -> None:
+        """Takes back a block `restore_block` placed (another rank could not fill it): free again, cached
+        no more. Only before any request runs, so nothing holds it."""
+        assert block in self._restored and self._ref_counts[block] == 0
+        block_hash = self._block_hash[block]
+        assert block_hash is not None
+        del self._cached[block_hash]
+        del self._evictable[block]
+        self._block_hash[block] = None
+        self._restored.discard(block)
+        self._free.append(block)
+        self.num_restored_blocks -= 1

@@ -13,7 +13,13 @@ Choices, where the issue is silent (as vLLM/SGLang users would expect of a prefi
   out of the KV tensors per turn of the engine loop (between steps, so no step writes them meanwhile), and a
   thread writes them. A block evicted and reused before its turn is checked (`KVCacheManager.holds`) and
   left out. The save starts only if steps ran since the last one, so an idle server stays asleep.
-- Tensor parallelism is refused by `EngineConfig` for now (each rank would save its own shard).
+- With tensor parallelism rank 0, which owns the `KVCacheManager`, decides: at the stop it lists the blocks
+  (hash, id) and every rank writes its shard of them to its own file (`save_shard` on the workers, in
+  parallel with rank 0); at start rank 0 places the blocks of its file, the workers fill the same ids from
+  theirs (`restore_shard`), and a block that any rank could not fill (missing, damaged) is taken back on
+  rank 0: no rank ever uses a block whose KV is incomplete. Each rank's file gets 1/N of
+  `--kv-cache-dir-size`, so the directory (or all nodes' together) stays within it. `EngineConfig` refuses
+  the periodic save with N > 1: the workers would have to copy blocks between the same steps.
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ from gracelm.lifecycle.ledger import Outcome, ResourceKind, ResourceReport, Shut
 from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model.file_hash import content_hash
 from gracelm.model.model_files import resolve_model_path
+from gracelm.parallel import messages as m
 
 if TYPE_CHECKING:
     from gracelm.model.tokenizer import Tokenizer
     from gracelm.parallel.executor import Executor
+    from gracelm.parallel.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +59,10 @@ _CHUNK_BYTES = 8 * 2**20
 _SAVE_GRACE_S = 2.0
 # A periodic save's loop turns poll this often while its writer catches up.
 _SAVE_POLL_MS = 10
+# A worker's save may end this long after the stop's cut: its commit (fsync, rename) comes after the cut.
+_WORKER_COMMIT_S = 5.0
+# The workers' part of a restore at start: reading and checking their files, as long as rank 0's took.
+_WORKER_RESTORE_S = 300.0
 
 T = TypeVar("T")
 
@@ -60,18 +72,20 @@ class KVPersistence:
                  tokenizer: Tokenizer) -> None:
         assert config.kv_cache_dir is not None
         self.directory = Path(config.kv_cache_dir).expanduser()
-        self.bound = parse_size(config.kv_cache_dir_size)
+        # Every rank writes its own file: its share keeps them all within the bound.
+        self.bound = parse_size(config.kv_cache_dir_size) // config.tensor_parallel_size
         self.interval = config.kv_cache_save_interval
         self.executor = executor
         self.kv = kv
         layout = executor.kv_layout()
         self.block_bytes: int = layout["block_bytes"]
-        self.chunk_blocks = max(1, _CHUNK_BYTES // self.block_bytes)
-        self.fingerprint = snap.fingerprint(
-            weights_hash=content_hash(resolve_model_path(config.model)),
-            tokenizer_hash=hashlib.sha256(tokenizer.to_dict()["backend"].encode()).hexdigest(),
-            kv_layout=layout, hash_scheme=_ROOT_HASH.decode(),
-            tensor_parallel_size=config.tensor_parallel_size, rank=0)
+        self.chunk_blocks = _chunk_blocks(self.block_bytes)
+        # What every rank's fingerprint shares; each adds its own rank and KV layout.
+        self.fingerprint_inputs = {
+            "weights_hash": content_hash(resolve_model_path(config.model)),
+            "tokenizer_hash": hashlib.sha256(tokenizer.to_dict()["backend"].encode()).hexdigest(),
+            "hash_scheme": _ROOT_HASH.decode(), "tensor_parallel_size": config.tensor_parallel_size}
+        self.fingerprint = snap.fingerprint(**self.fingerprint_inputs, kv_layout=layout, rank=0)
         delay = active_test_hooks().get("test_kv_snapshot_block_sleep_s")
         self._block_delay = (lambda: time.sleep(delay)) if delay else None
         self._job: _PeriodicSave | None = None
@@ -84,58 +98,93 @@ class KVPersistence:
     def restore(self) -> None:
         """Fills the empty cache with the snapshot's blocks, most recent first, as far as they fit."""
         started = time.monotonic()
-        entries = snap.read_snapshot(self.directory, self.fingerprint, self.block_bytes,
-                                     self.kv.num_total_blocks)
-        try:
-            for chunk in _batched(entries, self.chunk_blocks):
-                placed = [(self.kv.restore_block(block_hash), data) for block_hash, data in chunk]
-                placed = [(block, data) for block, data in placed if block is not None]
-                if placed:
-                    self.executor.write_kv_blocks([b for b, _ in placed], [d for _, d in placed])
-        except Exception:  # a snapshot must never stop the engine from starting: start cold instead
-            logger.exception("kv snapshot: restore failed; starting with an empty prefix cache")
-            self.kv.reset_prefix_cache()
-            self.kv.num_restored_blocks = 0
-            return
+        placed = self._restore_own()
+        if placed and self.executor.worker_ranks:
+            self._keep_complete(placed)
         if self.kv.num_restored_blocks:
             logger.info("kv snapshot: restored %d blocks from %s in %.0f ms", self.kv.num_restored_blocks,
                         self.directory, (time.monotonic() - started) * 1000)
 
+    def _restore_own(self) -> list[tuple[bytes, int]]:
+        """Rank 0's file: its blocks placed in the cache and filled; (hash, block) of each."""
+        entries = snap.read_snapshot(self.directory, self.fingerprint, self.block_bytes,
+                                     self.kv.num_total_blocks)
+        restored: list[tuple[bytes, int]] = []
+        try:
+            for chunk in _batched(entries, self.chunk_blocks):
+                placed = [(self.kv.restore_block(h), h, data) for h, data in chunk]
+                placed = [(block, h, data) for block, h, data in placed if block is not None]
+                if placed:
+                    self.executor.write_kv_blocks([b for b, _, _ in placed], [d for _, _, d in placed])
+                    restored.extend((h, block) for block, h, _ in placed)
+        except Exception:  # a snapshot must never stop the engine from starting: start cold instead
+            logger.exception("kv snapshot: restore failed; starting with an empty prefix cache")
+            self.kv.reset_prefix_cache()
+            self.kv.num_restored_blocks = 0
+            return []
+        return restored
+
+    def _keep_complete(self, placed: list[tuple[bytes, int]]) -> None:
+        """The workers fill the blocks rank 0 placed from their own files; a block that some rank could not
+        fill is taken back, so that no rank computes on it."""
+        self.executor.send_to_workers(m.RestoreKVBlocks(str(self.directory), self.fingerprint_inputs, placed))
+        replies = self.executor.gather_from_workers(m.KVBlocksRestored, time.monotonic() + _WORKER_RESTORE_S)
+        complete = set.intersection(*(set(reply.block_ids) for reply in replies.values()))
+        incomplete = [block for _, block in placed if block not in complete]
+        for block in incomplete:
+            self.kv.forget_restored(block)
+        if incomplete:
+            logger.warning("kv snapshot: %d of %d blocks left out: missing or damaged on another rank",
+                           len(incomplete), len(placed))
+
     # -- stop ----------------------------------------------------------------------------------------
 
     def save_at_stop(self, deadline: float, beat: Callable[[], None]) -> ShutdownReport:
-        """The graceful stop's save, as an entry of the shutdown report (blocks, bytes, ms)."""
+        """The graceful stop's save, as entries of the shutdown report (blocks, bytes, ms): rank 0's, then,
+        with tensor parallelism, each worker's, which writes its shard meanwhile."""
         self.cancel_periodic()
+        cut = deadline + _SAVE_GRACE_S
+        entries = self.kv.cached_blocks_by_recency()[:snap.max_blocks(self.fingerprint, self.block_bytes,
+                                                                      self.bound)]
         started = time.monotonic()
-        name, outcome, error = f"kv snapshot to {self.directory}", Outcome.RELEASED, None
-        try:
-            saved = self._save(deadline + _SAVE_GRACE_S, beat)
-            name = f"kv snapshot: {saved.blocks} blocks, {saved.bytes} bytes to {saved.path}"
-            logger.info("%s in %.0f ms", name, (time.monotonic() - started) * 1000)
-        except Exception as e:  # noqa: BLE001 - reported; the stop goes on to release everything
-            logger.exception("kv snapshot: save failed")
-            outcome, error = Outcome.FAILED, f"{type(e).__name__}: {e}"
-        ms = (time.monotonic() - started) * 1000
-        entry = ResourceReport(ResourceKind.KV_SNAPSHOT, name, outcome, ms, error, time.time())
-        return ShutdownReport([entry])
+        if self.executor.worker_ranks:
+            self._start_workers_save(entries, cut)
+        report = ShutdownReport([_report_entry(started, f"kv snapshot to {self.directory}",
+                                               lambda: self._save(entries, cut, beat))])
+        if self.executor.worker_ranks:
+            report.resources.extend(self._workers_saved(started, cut, beat))
+        return report
 
-    def _save(self, deadline: float, beat: Callable[[], None]) -> snap.SaveResult:
-        writer = self.writer()
+    def _save(self, entries: list[tuple[bytes, int]], deadline: float, beat: Callable[[], None]) -> str:
+        started = time.monotonic()
+        saved = _write_blocks(self.writer(), entries, self.executor.read_kv_blocks, self.chunk_blocks,
+                              deadline, beat)
+        name = f"kv snapshot: {saved.blocks} blocks, {saved.bytes} bytes to {saved.path}"
+        logger.info("%s in %.0f ms", name, (time.monotonic() - started) * 1000)
+        return name
+
+    def _start_workers_save(self, entries: list[tuple[bytes, int]], cut: float) -> None:
         try:
-            entries = self.kv.cached_blocks_by_recency()[:writer.max_blocks]
-            for chunk in _batched(entries, self.chunk_blocks):
-                if time.monotonic() >= deadline:
-                    logger.warning("kv snapshot: the stop's deadline cut the save at %d of %d blocks",
-                                   writer.blocks, len(entries))
-                    break
-                contents = self.executor.read_kv_blocks([block for _, block in chunk])
-                for (block_hash, _), data in zip(chunk, contents, strict=True):
-                    writer.add(block_hash, data)
-                beat()
-            return writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
+            seconds = max(0.0, cut - time.monotonic())
+            self.executor.send_to_workers(m.SaveKVBlocks(str(self.directory), self.fingerprint_inputs,
+                                                         self.bound, entries, seconds))
+        except Exception:  # noqa: BLE001 - a dead worker: the gather that follows reports it
+            logger.exception("kv snapshot: could not ask the workers to save")
+
+    def _workers_saved(self, started: float, cut: float, beat: Callable[[], None]) -> list[ResourceReport]:
+        """Each worker's save, as an entry of the report; one failed entry if some worker never answers."""
+        try:
+            replies = self.executor.gather_from_workers(m.KVBlocksSaved, cut + _WORKER_COMMIT_S, beat)
+        except Exception as e:  # noqa: BLE001 - a shard missing only costs its blocks at the next start
+            logger.exception("kv snapshot: the workers' save failed")
+            return [ResourceReport(ResourceKind.KV_SNAPSHOT, "kv snapshot of the worker ranks",
+                                   Outcome.FAILED, (time.monotonic() - started) * 1000,
+                                   f"{type(e).__name__}: {e}", time.time())]
+        ms = (time.monotonic() - started) * 1000
+        return [ResourceReport(ResourceKind.KV_SNAPSHOT,
+                               f"rank {rank}: kv snapshot: {r.blocks} blocks, {r.bytes} bytes to {r.path}",
+                               Outcome.FAILED if r.error else Outcome.RELEASED, ms, r.error, time.time())
+                for rank, r in replies.items()]
 
     def writer(self) -> snap.SnapshotWriter:
         return snap.SnapshotWriter(self.directory, self.fingerprint, self.block_bytes, self.bound,
@@ -228,6 +277,84 @@ class _PeriodicSave:
         except Exception:  # noqa: BLE001 - a failed periodic save loses only itself
             logger.exception("kv snapshot: periodic save failed")
             self.writer.abort()
+
+
+def _report_entry(started: float, name: str, save: Callable[[], str]) -> ResourceReport:
+    """`save` (which names what it saved) as an entry of the shutdown report; a failure is reported there."""
+    outcome, error = Outcome.RELEASED, None
+    try:
+        name = save()
+    except Exception as e:  # noqa: BLE001 - reported; the stop goes on to release everything
+        logger.exception("kv snapshot: save failed")
+        outcome, error = Outcome.FAILED, f"{type(e).__name__}: {e}"
+    return ResourceReport(ResourceKind.KV_SNAPSHOT, name, outcome, (time.monotonic() - started) * 1000, error,
+                          time.time())
+
+
+def _write_blocks(writer: snap.SnapshotWriter, entries: list[tuple[bytes, int]],
+                  read: Callable[[list[int]], list[bytes]], chunk_blocks: int, deadline: float,
+                  beat: Callable[[], None]) -> snap.SaveResult:
+    """Writes these (hash, block) entries, most recent first, until the deadline; commits."""
+    try:
+        for chunk in _batched(entries, chunk_blocks):
+            if time.monotonic() >= deadline:
+                logger.warning("kv snapshot: the stop's deadline cut the save at %d of %d blocks",
+                               writer.blocks, len(entries))
+                break
+            contents = read([block for _, block in chunk])
+            for (block_hash, _), data in zip(chunk, contents, strict=True):
+                writer.add(block_hash, data)
+            beat()
+        return writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+# -- a worker rank's side (tensor parallelism): its shard of the blocks rank 0 chose ---------------------
+
+def _shard_fingerprint(worker: Worker, inputs: dict) -> tuple[dict, int]:
+    """The rank's fingerprint and block size: rank 0's inputs, with its own rank and KV layout."""
+    layout = worker.kv_layout()
+    return snap.fingerprint(**inputs, kv_layout=layout, rank=worker.rank), layout["block_bytes"]
+
+
+def save_shard(worker: Worker, request: m.SaveKVBlocks) -> m.KVBlocksSaved:
+    """Writes this rank's shard of the listed blocks to its own file; a failure is replied, not raised."""
+    deadline = time.monotonic() + request.seconds
+    try:
+        fp, block_bytes = _shard_fingerprint(worker, request.fingerprint_inputs)
+        writer = snap.SnapshotWriter(Path(request.directory), fp, block_bytes, request.bound)
+        saved = _write_blocks(writer, request.blocks, worker.read_kv_blocks, _chunk_blocks(block_bytes),
+                              deadline, lambda: None)
+    except Exception as e:  # noqa: BLE001 - rank 0 reports it; this rank's blocks are then unused
+        logger.exception("kv snapshot: rank %d's save failed", worker.rank)
+        return m.KVBlocksSaved(request.directory, 0, 0, f"{type(e).__name__}: {e}")
+    logger.info("kv snapshot: rank %d: %d blocks, %d bytes to %s", worker.rank, saved.blocks, saved.bytes,
+                saved.path)
+    return m.KVBlocksSaved(str(saved.path), saved.blocks, saved.bytes, None)
+
+
+def restore_shard(worker: Worker, request: m.RestoreKVBlocks) -> m.KVBlocksRestored:
+    """Fills the blocks rank 0 placed from this rank's own file; replies with those found and verified."""
+    wanted = dict(request.blocks)  # hash -> block id
+    filled: list[int] = []
+    try:
+        fp, block_bytes = _shard_fingerprint(worker, request.fingerprint_inputs)
+        found = ((wanted[block_hash], data) for block_hash, data in
+                 snap.read_snapshot(Path(request.directory), fp, block_bytes, worker.num_kv_blocks)
+                 if block_hash in wanted)
+        for chunk in _batched(found, _chunk_blocks(block_bytes)):
+            worker.write_kv_blocks([block for block, _ in chunk], [data for _, data in chunk])
+            filled.extend(block for block, _ in chunk)
+    except Exception:  # noqa: BLE001 - never fatal: no rank uses these blocks, the engine starts colder
+        logger.exception("kv snapshot: rank %d's restore failed", worker.rank)
+        return m.KVBlocksRestored([])
+    return m.KVBlocksRestored(filled)
+
+
+def _chunk_blocks(block_bytes: int) -> int:
+    return max(1, _CHUNK_BYTES // block_bytes)
 
 
 def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:

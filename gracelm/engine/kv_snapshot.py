@@ -4,8 +4,8 @@ verified reading and size bound. Torch-free: block contents come and go as bytes
 A snapshot holds full cached blocks under their chained content hashes (`kv_cache_manager.hash_block`):
 a hash names a block's whole prefix, so no parent link is stored. It is only valid for the same weights,
 tokenizer, KV dtype, block size, KV layout, tensor-parallel degree and rank and format version; those make
-up the fingerprint, whose digest names the file (`kv-<digest>.snap`) and which the header repeats in full, so
-another model, dtype or layout never reads it.
+up the fingerprint, whose digest and rank name the file (`kv-<digest>-rank<r>.snap`) and which the header
+repeats in full, so another model, dtype or layout never reads it.
 
 File: `MAGIC | u32 header length | header (JSON) | u32 crc32 of the header | u64 block count`, then per
 block `32-byte hash | u32 crc32 of the data | data (block_bytes)`, most recently used first (so a snapshot
@@ -79,6 +79,11 @@ def record_size(block_bytes: int) -> int:
     return _RECORD_HEAD.size + block_bytes
 
 
+def max_blocks(fp: dict[str, Any], block_bytes: int, bound: int) -> int:
+    """How many blocks a snapshot of this fingerprint holds within `bound` bytes."""
+    return max(0, (bound - prefix_size(fp, block_bytes)) // record_size(block_bytes))
+
+
 @dataclasses.dataclass(frozen=True)
 class SaveResult:
     path: Path
@@ -98,7 +103,7 @@ class SnapshotWriter:
         self.path = snapshot_path(directory, fp)
         self.block_bytes = block_bytes
         self.bound = bound
-        self.max_blocks = max(0, (bound - prefix_size(fp, block_bytes)) // record_size(block_bytes))
+        self.max_blocks = max_blocks(fp, block_bytes, bound)
         self.blocks = 0
         self._block_delay = block_delay  # test hook: a slow write, to kill a save half-way
         fd, temporary = tempfile.mkstemp(prefix=f".{self.path.name}.{os.getpid()}.", suffix=_TEMP_SUFFIX,

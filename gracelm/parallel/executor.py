@@ -21,6 +21,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.lifecycle.ledger import Ledger, Outcome, ResourceKind, ResourceReport, ShutdownReport
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 _INTERRUPT_SIGNAL = signal.SIGUSR2
 # How long a failed collective may wait for the monitor to name the worker that caused it.
 _DEATH_EXPLAIN_S = 1.5
+_GATHER_BEAT_S = 0.5
 
 
 class Executor:
@@ -125,7 +127,32 @@ class Executor:
     def release_requests(self, request_ids: list[str]) -> None:
         self._driver.release_requests(request_ids)
 
-    # -- KV-cache snapshots: rank 0's shard only; `EngineConfig` refuses kv_cache_dir with N > 1 --------
+    # -- KV-cache snapshots (`kv_persistence.py`): rank 0's shard here, the workers' by message --------
+
+    @property
+    def worker_ranks(self) -> range:
+        return self._group.ranks if self._group is not None else range(0)
+
+    def send_to_workers(self, message: m.ToWorker) -> None:
+        assert self._group is not None
+        self._group.broadcast(message)
+
+    def gather_from_workers(self, kind: type, deadline: float,
+                            beat: Callable[[], None] = lambda: None) -> dict[int, m.FromWorker]:
+        """Each worker's next message, which must be a `kind`, by `deadline` (monotonic); `beat` runs every
+        `_GATHER_BEAT_S` meanwhile, so that a long save does not look like a hung core."""
+        assert self._group is not None
+        replies: dict[int, m.FromWorker] = {}
+        for rank in self._group.ranks:
+            while rank not in replies:
+                try:
+                    wait = min(_GATHER_BEAT_S, max(0.0, deadline - time.monotonic()))
+                    replies[rank] = self._group.receive(rank, kind, wait)
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    beat()
+        return replies
 
     def kv_layout(self) -> dict:
         return self._driver.kv_layout()

@@ -16,6 +16,25 @@ class InitKVCache(msgspec.Struct, tag=True, array_like=True):
     num_blocks: int
 
 
+class SaveKVBlocks(msgspec.Struct, tag=True, array_like=True):
+    """The stop's save of the prefix cache: each rank writes its shard of these blocks, most recent first,
+    to its own snapshot file (`kv_persistence.save_shard`)."""
+
+    directory: str
+    fingerprint_inputs: dict  # `kv_snapshot.fingerprint`'s arguments but the rank's own: rank, kv_layout
+    bound: int  # this rank's share of --kv-cache-dir-size
+    blocks: list[tuple[bytes, int]]  # (hash, block id), most recent first
+    seconds: float  # left until the stop's deadline cuts the save (clocks differ across nodes)
+
+
+class RestoreKVBlocks(msgspec.Struct, tag=True, array_like=True):
+    """At start: each rank fills these blocks (placed by rank 0) from its own snapshot file."""
+
+    directory: str
+    fingerprint_inputs: dict
+    blocks: list[tuple[bytes, int]]  # (hash, block id), most recent first
+
+
 class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
@@ -35,6 +54,17 @@ class KVCacheReady(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
+class KVBlocksSaved(msgspec.Struct, tag=True, array_like=True):
+    path: str
+    blocks: int
+    bytes: int
+    error: str | None  # the save failed (the rank goes on: a snapshot is never worth a failed stop)
+
+
+class KVBlocksRestored(msgspec.Struct, tag=True, array_like=True):
+    block_ids: list[int]  # those filled with verified contents; a block missing here is used by no rank
+
+
 class Stopped(msgspec.Struct, tag=True, array_like=True):
     """The worker's teardown, as `ShutdownReport.to_dict()`, and its communication figures."""
 
@@ -49,8 +79,8 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     traceback: str
 
 
-ToWorker = StepBatch | InitKVCache | Stop
-FromWorker = Hello | Loaded | KVCacheReady | Stopped | Failed
+ToWorker = StepBatch | InitKVCache | SaveKVBlocks | RestoreKVBlocks | Stop
+FromWorker = Hello | Loaded | KVCacheReady | KVBlocksSaved | KVBlocksRestored | Stopped | Failed
 
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(ToWorker)

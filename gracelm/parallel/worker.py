@@ -40,6 +40,7 @@ class Worker:
         self.loaded: LoadedModel | None = None
         self.shard: TensorParallelModel | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.num_kv_blocks = 0
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = make_generator(config.seed)
 
@@ -84,6 +85,7 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         assert self.loaded is not None
+        self.num_kv_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
                                            self.loaded.dtype)
 

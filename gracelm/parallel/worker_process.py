@@ -1,10 +1,11 @@
 """The main loop of a worker process (ranks 1..N-1): receive each step from rank 0, run it, never sample.
 
 Start: join the rendezvous store, connect the step channel, say hello, join the process group, load and
-shard the model, report how many KV blocks fit; then serve `InitKVCache` and `StepBatch` messages in
-order. `Stop` is handled between steps (the loop is single-threaded, so the current step always
-finishes): the ledger releases the KV cache, the model and the process group, newest first, and the
-report goes back to rank 0 before the channel closes and the process exits 0.
+shard the model, report how many KV blocks fit; then serve `InitKVCache`, `StepBatch` and the prefix
+cache's `RestoreKVBlocks` (at start) and `SaveKVBlocks` (at the stop) messages in order. `Stop` is
+handled between steps (the loop is single-threaded, so the current step always finishes): the ledger
+releases the KV cache, the model and the process group, newest first, and the report goes back to rank 0
+before the channel closes and the process exits 0.
 
 Losing rank 0 (its channel disconnects, or a collective fails) is fatal: report what can be reported,
 release, exit 1. Signals are not ours to act on (the supervisor's), and the parent-death guarantees come
@@ -22,6 +23,7 @@ import traceback
 import zmq
 
 from gracelm.config import EngineConfig
+from gracelm.engine.kv_persistence import restore_shard, save_shard
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import exit_process
@@ -116,6 +118,10 @@ class WorkerProcess:
                 self.ledger.acquire(ResourceKind.KV_CACHE, f"{message.num_blocks} blocks, rank {self.rank}",
                                     self.worker.free_kv_cache)
                 self._send(m.KVCacheReady())
+            elif isinstance(message, m.SaveKVBlocks):
+                self._send(save_shard(self.worker, message))
+            elif isinstance(message, m.RestoreKVBlocks):
+                self._send(restore_shard(self.worker, message))
             elif isinstance(message, m.Stop):
                 return
 
