@@ -105,11 +105,14 @@ class ServerProcess:
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, then asserts: exit code 0, no process of the server left, its port free, its runtime
-        directory gone. Returns the exit code."""
+        directory gone, nothing left for the resource tracker to clean up. Returns the exit code."""
         self.process.send_signal(signal.SIGTERM)
         self.wait_exit(timeout)
         assert self.exit_code == 0, f"exit code {self.exit_code}:\n{self.log()[-5000:]}"
         self.assert_nothing_left()
+        # multiprocessing's resource tracker cleans up what a process of the server registered and never
+        # released, and says so: a clean stop leaves it nothing.
+        assert "resource_tracker: There appear to be" not in self.log(), self.log()[-5000:]
         return self.exit_code
 
     def assert_nothing_left(self) -> None:

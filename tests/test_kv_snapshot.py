@@ -280,19 +280,22 @@ def test_the_size_bound_holds_across_restarts(model, kv_dir):
     assert after["kv_restored_block_hits"] == PREFIX_TOKENS // 16
 
 
-def test_serve_restart_after_sigterm_hits_the_restored_cache(model, kv_dir):
-    args = ("--kv-cache-dir", str(kv_dir), "--max-model-len", "256", "--num-threads", "1",
+def test_serve_restart_after_sigterm_hits_the_restored_cache(kv_dir):
+    # A long shared prefix, as the case: ~1,500 tokens (93 full blocks of 16).
+    prefix_tokens = 1500
+    model = tiny_model("llama", max_position_embeddings=2048)
+    args = ("--kv-cache-dir", str(kv_dir), "--max-model-len", "2048", "--num-threads", "1",
             "--stats-interval", "0")
-    body = {"prompt": _prompt(5), "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    body = {"prompt": _prompt(5, prefix_tokens), "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     with ServerProcess(model, *args) as server:
         before = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
     assert _snapshot_file(kv_dir).exists()
     with ServerProcess(model, *args) as server:
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-        assert metric_value(metrics, "gracelm_kv_restored_blocks") >= PREFIX_TOKENS // 16
+        assert metric_value(metrics, "gracelm_kv_restored_blocks") >= prefix_tokens // 16
         after = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-        assert metric_value(metrics, "gracelm_kv_restored_block_hits") == PREFIX_TOKENS // 16
+        assert metric_value(metrics, "gracelm_kv_restored_block_hits") == prefix_tokens // 16
         assert metric_value(metrics, "gracelm_prefix_cache_hit_rate") > 0
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
     assert_nothing_left()

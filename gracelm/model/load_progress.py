@@ -6,6 +6,7 @@ start-up timeline line says how long the load took there."""
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
@@ -16,6 +17,10 @@ T = TypeVar("T")
 
 def load_progress(items: Iterable[T], total: int, description: str) -> Iterator[T]:
     stream = sys.stderr
-    shown = stream is not None and stream.isatty()
-    return iter(tqdm(items, total=total, desc=description, unit="tensor", file=stream, disable=not shown,
-                     dynamic_ncols=True))
+    if stream is None or not stream.isatty():
+        return iter(items)
+    # tqdm's default lock is a multiprocessing semaphore, registered with the resource tracker the server's
+    # processes share; the engine core ends with os._exit, so it would be reported leaked at every stop.
+    # One process's bar needs a thread lock only.
+    tqdm.set_lock(threading.RLock())
+    return iter(tqdm(items, total=total, desc=description, unit="tensor", file=stream, dynamic_ncols=True))
