@@ -19,9 +19,9 @@ import pytest
 
 from gracelm import Engine, SamplingParams
 from gracelm.config import EngineConfig
-from gracelm.engine import kv_snapshot as snap
 from gracelm.engine.kv_cache_manager import KVCacheManager
 from gracelm.engine.request import Request
+from gracelm.model import kv_snapshot as snap
 from tests.process_checks import assert_nothing_left
 from tests.server_process import ServerProcess, metric_value
 from tests.tiny_models import tiny_model

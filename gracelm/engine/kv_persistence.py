@@ -1,7 +1,7 @@
 """The prefix cache kept across restarts (`--kv-cache-dir`): restored into the KV cache before the core says
 `Ready`, saved at a graceful stop and, with `--kv-cache-save-interval`, while serving. The file format and
-its checks are `kv_snapshot.py`'s; this module moves blocks between it, the `KVCacheManager` and the
-executor's KV tensors.
+its checks are `model/kv_snapshot.py`'s, a worker rank's side `parallel/kv_shard.py`'s; this module moves
+blocks between it, the `KVCacheManager` and the executor's KV tensors.
 
 Choices, where the issue is silent (as vLLM/SGLang users would expect of a prefix cache):
 - Restored blocks are ordinary cached blocks, evictable, in their saved LRU order behind nothing: a new
@@ -9,7 +9,7 @@ Choices, where the issue is silent (as vLLM/SGLang users would expect of a prefi
 - The stop's save runs after the last request, before the executor is released, within the drain's
   deadline plus `_SAVE_GRACE_S`; cut by the deadline, it keeps the most recently used blocks it copied.
   A fatal stop saves nothing: the cache may hold the work of a failed step.
-- The periodic save snapshots the list of cached blocks when it starts, then copies `_CHUNK_BYTES` of them
+- The periodic save snapshots the list of cached blocks when it starts, then copies `CHUNK_BYTES` of them
   out of the KV tensors per turn of the engine loop (between steps, so no step writes them meanwhile), and a
   thread writes them. A block evicted and reused before its turn is checked (`KVCacheManager.holds`) and
   left out. The save starts only if steps ran since the last one, so an idle server stays asleep.
@@ -30,30 +30,26 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from gracelm.config import EngineConfig, parse_size
-from gracelm.engine import kv_snapshot as snap
 from gracelm.engine.kv_cache_manager import _ROOT_HASH, KVCacheManager
 from gracelm.lifecycle.ledger import Outcome, ResourceKind, ResourceReport, ShutdownReport
 from gracelm.lifecycle.test_hooks import active_test_hooks
+from gracelm.model import kv_snapshot as snap
 from gracelm.model.file_hash import content_hash
 from gracelm.model.model_files import resolve_model_path
 from gracelm.parallel import messages as m
+from gracelm.parallel.kv_shard import batched, chunk_blocks, write_blocks
 
 if TYPE_CHECKING:
     from gracelm.model.tokenizer import Tokenizer
     from gracelm.parallel.executor import Executor
-    from gracelm.parallel.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-# Blocks are copied this many bytes at a time: a periodic save's share of one turn of the loop (a few ms),
-# and the memory a restore or a save holds at once.
-_CHUNK_BYTES = 8 * 2**20
 # The stop's save may run this long past the drain's deadline: within the frontend's exit grace
 # (core_client._EXIT_GRACE_S), leaving it room for the rest of the teardown.
 _SAVE_GRACE_S = 2.0
@@ -63,8 +59,6 @@ _SAVE_POLL_MS = 10
 _WORKER_COMMIT_S = 5.0
 # The workers' part of a restore at start: reading and checking their files, as long as rank 0's took.
 _WORKER_RESTORE_S = 300.0
-
-T = TypeVar("T")
 
 
 class KVPersistence:
@@ -79,7 +73,7 @@ class KVPersistence:
         self.kv = kv
         layout = executor.kv_layout()
         self.block_bytes: int = layout["block_bytes"]
-        self.chunk_blocks = _chunk_blocks(self.block_bytes)
+        self.chunk_blocks = chunk_blocks(self.block_bytes)
         # What every rank's fingerprint shares; each adds its own rank and KV layout.
         self.fingerprint_inputs = {
             "weights_hash": content_hash(resolve_model_path(config.model)),
@@ -111,7 +105,7 @@ class KVPersistence:
                                      self.kv.num_total_blocks)
         restored: list[tuple[bytes, int]] = []
         try:
-            for chunk in _batched(entries, self.chunk_blocks):
+            for chunk in batched(entries, self.chunk_blocks):
                 placed = [(self.kv.restore_block(h), h, data) for h, data in chunk]
                 placed = [(block, h, data) for block, h, data in placed if block is not None]
                 if placed:
@@ -157,7 +151,7 @@ class KVPersistence:
 
     def _save(self, entries: list[tuple[bytes, int]], deadline: float, beat: Callable[[], None]) -> str:
         started = time.monotonic()
-        saved = _write_blocks(self.writer(), entries, self.executor.read_kv_blocks, self.chunk_blocks,
+        saved = write_blocks(self.writer(), entries, self.executor.read_kv_blocks, self.chunk_blocks,
                               deadline, beat)
         name = f"kv snapshot: {saved.blocks} blocks, {saved.bytes} bytes to {saved.path}"
         logger.info("%s in %.0f ms", name, (time.monotonic() - started) * 1000)
@@ -289,75 +283,3 @@ def _report_entry(started: float, name: str, save: Callable[[], str]) -> Resourc
         outcome, error = Outcome.FAILED, f"{type(e).__name__}: {e}"
     return ResourceReport(ResourceKind.KV_SNAPSHOT, name, outcome, (time.monotonic() - started) * 1000, error,
                           time.time())
-
-
-def _write_blocks(writer: snap.SnapshotWriter, entries: list[tuple[bytes, int]],
-                  read: Callable[[list[int]], list[bytes]], chunk_blocks: int, deadline: float,
-                  beat: Callable[[], None]) -> snap.SaveResult:
-    """Writes these (hash, block) entries, most recent first, until the deadline; commits."""
-    try:
-        for chunk in _batched(entries, chunk_blocks):
-            if time.monotonic() >= deadline:
-                logger.warning("kv snapshot: the stop's deadline cut the save at %d of %d blocks",
-                               writer.blocks, len(entries))
-                break
-            contents = read([block for _, block in chunk])
-            for (block_hash, _), data in zip(chunk, contents, strict=True):
-                writer.add(block_hash, data)
-            beat()
-        return writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
-
-
-# -- a worker rank's side (tensor parallelism): its shard of the blocks rank 0 chose ---------------------
-
-def _shard_fingerprint(worker: Worker, inputs: dict) -> tuple[dict, int]:
-    """The rank's fingerprint and block size: rank 0's inputs, with its own rank and KV layout."""
-    layout = worker.kv_layout()
-    return snap.fingerprint(**inputs, kv_layout=layout, rank=worker.rank), layout["block_bytes"]
-
-
-def save_shard(worker: Worker, request: m.SaveKVBlocks) -> m.KVBlocksSaved:
-    """Writes this rank's shard of the listed blocks to its own file; a failure is replied, not raised."""
-    deadline = time.monotonic() + request.seconds
-    try:
-        fp, block_bytes = _shard_fingerprint(worker, request.fingerprint_inputs)
-        writer = snap.SnapshotWriter(Path(request.directory), fp, block_bytes, request.bound)
-        saved = _write_blocks(writer, request.blocks, worker.read_kv_blocks, _chunk_blocks(block_bytes),
-                              deadline, lambda: None)
-    except Exception as e:  # noqa: BLE001 - rank 0 reports it; this rank's blocks are then unused
-        logger.exception("kv snapshot: rank %d's save failed", worker.rank)
-        return m.KVBlocksSaved(request.directory, 0, 0, f"{type(e).__name__}: {e}")
-    logger.info("kv snapshot: rank %d: %d blocks, %d bytes to %s", worker.rank, saved.blocks, saved.bytes,
-                saved.path)
-    return m.KVBlocksSaved(str(saved.path), saved.blocks, saved.bytes, None)
-
-
-def restore_shard(worker: Worker, request: m.RestoreKVBlocks) -> m.KVBlocksRestored:
-    """Fills the blocks rank 0 placed from this rank's own file; replies with those found and verified."""
-    wanted = dict(request.blocks)  # hash -> block id
-    filled: list[int] = []
-    try:
-        fp, block_bytes = _shard_fingerprint(worker, request.fingerprint_inputs)
-        found = ((wanted[block_hash], data) for block_hash, data in
-                 snap.read_snapshot(Path(request.directory), fp, block_bytes, worker.num_kv_blocks)
-                 if block_hash in wanted)
-        for chunk in _batched(found, _chunk_blocks(block_bytes)):
-            worker.write_kv_blocks([block for block, _ in chunk], [data for _, data in chunk])
-            filled.extend(block for block, _ in chunk)
-    except Exception:  # noqa: BLE001 - never fatal: no rank uses these blocks, the engine starts colder
-        logger.exception("kv snapshot: rank %d's restore failed", worker.rank)
-        return m.KVBlocksRestored([])
-    return m.KVBlocksRestored(filled)
-
-
-def _chunk_blocks(block_bytes: int) -> int:
-    return max(1, _CHUNK_BYTES // block_bytes)
-
-
-def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
-    iterator = iter(items)
-    while chunk := list(islice(iterator, size)):
-        yield chunk

@@ -23,7 +23,6 @@ import traceback
 import zmq
 
 from gracelm.config import EngineConfig
-from gracelm.engine.kv_persistence import restore_shard, save_shard
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import exit_process
@@ -35,6 +34,7 @@ from gracelm.parallel.distributed import (
     destroy_process_group,
     init_process_group,
 )
+from gracelm.parallel.kv_shard import restore_shard, save_shard
 from gracelm.parallel.sharding import CommTimer
 from gracelm.parallel.worker import Worker
 
