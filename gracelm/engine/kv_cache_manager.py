@@ -18,14 +18,14 @@ from gracelm.engine.request import Request
 
 # Seeds the chain; a change of the hashing scheme must change it, so that prefix caches saved to disk by
 # an older version can never match.
-_ROOT_HASH = b"gracelm-kv-block-v1"
+BLOCK_HASH_ROOT = b"gracelm-kv-block-v1"
 
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     """sha256 over the previous block's hash and this block's token ids: a block's hash names its whole
     prefix, and it is the same in every process and across restarts (unlike Python's `hash()`)."""
     tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    return hashlib.sha256((parent_hash or _ROOT_HASH) + tokens).digest()
+    return hashlib.sha256((parent_hash or BLOCK_HASH_ROOT) + tokens).digest()
 
 
 class KVCacheManager:

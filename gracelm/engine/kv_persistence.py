@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gracelm.config import EngineConfig, parse_size
-from gracelm.engine.kv_cache_manager import _ROOT_HASH, KVCacheManager
+from gracelm.engine.kv_cache_manager import BLOCK_HASH_ROOT, KVCacheManager
 from gracelm.lifecycle.ledger import Outcome, ResourceKind, ResourceReport, ShutdownReport
 from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model import kv_snapshot as snap
@@ -78,7 +78,7 @@ class KVPersistence:
         self.fingerprint_inputs = {
             "weights_hash": content_hash(resolve_model_path(config.model)),
             "tokenizer_hash": hashlib.sha256(tokenizer.to_dict()["backend"].encode()).hexdigest(),
-            "hash_scheme": _ROOT_HASH.decode(), "tensor_parallel_size": config.tensor_parallel_size}
+            "hash_scheme": BLOCK_HASH_ROOT.decode(), "tensor_parallel_size": config.tensor_parallel_size}
         self.fingerprint = snap.fingerprint(**self.fingerprint_inputs, kv_layout=layout, rank=0)
         delay = active_test_hooks().get("test_kv_snapshot_block_sleep_s")
         self._block_delay = (lambda: time.sleep(delay)) if delay else None

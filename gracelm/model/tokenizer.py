@@ -51,6 +51,7 @@ class Tokenizer:
             ids = [self.eos_token_id, *extra_eos_ids, self._turn_end_id()]
             eos_token_ids = dict.fromkeys(i for i in ids if i is not None)
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self._serialized: dict[str, Any] | None = None  # `to_dict`'s result, made once (~50 ms)
 
     # -- building -------------------------------------------------------------------------------------
 
@@ -103,14 +104,21 @@ class Tokenizer:
                    extra_eos_ids=extra_eos_ids)
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything needed to rebuild this tokenizer elsewhere (`from_dict`), in plain types."""
-        return {"backend": self.backend.to_str(), "name": self.name, "chat_template": self.chat_template,
-                "special_tokens": self.special_tokens, "eos_token_ids": list(self.eos_token_ids)}
+        """Everything needed to rebuild this tokenizer elsewhere (`from_dict`), in plain types. Serialized
+        once: the core sends it, caches it and fingerprints the KV snapshot with it; do not modify it."""
+        if self._serialized is None:
+            self._serialized = {"backend": self.backend.to_str(), "name": self.name,
+                                "chat_template": self.chat_template, "special_tokens": self.special_tokens,
+                                "eos_token_ids": list(self.eos_token_ids)}
+        return self._serialized
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Tokenizer:
-        return cls(Backend.from_str(data["backend"]), name=data["name"], chat_template=data["chat_template"],
-                   special_tokens=data["special_tokens"], eos_token_ids=data["eos_token_ids"])
+        tokenizer = cls(Backend.from_str(data["backend"]), name=data["name"],
+                        chat_template=data["chat_template"], special_tokens=data["special_tokens"],
+                        eos_token_ids=data["eos_token_ids"])
+        tokenizer._serialized = data  # what it was rebuilt from is already its serialized form
+        return tokenizer
 
     # -- ids ------------------------------------------------------------------------------------------
 
