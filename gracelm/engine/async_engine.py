@@ -126,16 +126,12 @@ class AsyncEngine(EngineFrontend):
         self._bind_loop()
         self._check_usable()
         assert self._loop is not None
-        call_id = self._client.call("stats")
-        reply = self._calls[call_id] = self._loop.create_future()
-        self._calls_pending += 1
-        self._update_busy()
-        try:
-            return await reply
-        finally:
-            self._calls.pop(call_id, None)
-            self._calls_pending -= 1
-            self._update_busy()
+        with self._utility_call("stats") as call_id:
+            reply = self._calls[call_id] = self._loop.create_future()
+            try:
+                return await reply
+            finally:
+                self._calls.pop(call_id, None)
 
     def begin_shutdown(self, timeout: float) -> None:
         """Starts the engine core's drain and returns at once: it takes no new request, finishes the running

@@ -60,10 +60,7 @@ class Engine(EngineFrontend):
 
     def stats(self) -> dict:
         self._check_usable()
-        call_id = self._client.call("stats")
-        self._calls_pending += 1
-        self._update_busy()
-        try:
+        with self._utility_call("stats") as call_id:
             while True:
                 message = self._next_message()
                 if isinstance(message, msg.UtilityReply) and message.call_id == call_id:
@@ -73,9 +70,6 @@ class Engine(EngineFrontend):
                     return message.result
                 if isinstance(message, msg.OutputsBatch):
                     self._process(message)
-        finally:
-            self._calls_pending -= 1
-            self._update_busy()
 
     def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams]],
              use_tqdm: bool) -> list[RequestOutput]:

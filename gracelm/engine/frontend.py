@@ -12,11 +12,12 @@ See docs/architecture.md.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,19 @@ class EngineFrontend:
             self._client.abort_requests(core_ids)
         self._update_busy()
         return delta
+
+    @contextlib.contextmanager
+    def _utility_call(self, method: str) -> Iterator[int]:
+        """Sends a utility call and, until the block ends, tells the monitor an answer is due; yields the
+        call's id (its `UtilityReply` carries it)."""
+        call_id = self._client.call(method)
+        self._calls_pending += 1
+        self._update_busy()
+        try:
+            yield call_id
+        finally:
+            self._calls_pending -= 1
+            self._update_busy()
 
     def _update_busy(self) -> None:
         """Tells the monitor whether progress is due from the core: what was sent is not all answered."""
