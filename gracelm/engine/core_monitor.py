@@ -209,7 +209,10 @@ class CoreMonitor:
         poller.register(self._output, zmq.POLLIN)
         poller.register(self._channel_events, zmq.POLLIN)
         deadline = time.monotonic() + _LAST_MESSAGES_S
-        while self._connections > 0 and (remaining := deadline - time.monotonic()) > 0:
+        # Until the channel's end is seen, not merely while connections are counted: the count lags the
+        # channel's own events, and a core that connected just before it died may not be counted yet.
+        self._read_channel_events()
+        while self._channel_closed_at is None and (remaining := deadline - time.monotonic()) > 0:
             events = dict(poller.poll(int(remaining * 1000) + 1))
             reported = self._read_messages() if self._output in events else None
             if reported is not None:
