@@ -49,11 +49,13 @@ class ServerProcess:
     """`with ServerProcess(model, "--api-key", "k") as server:` … `server.url`; `stop()` does the checks."""
 
     def __init__(self, model: str | Path | None, *args: str, env: dict[str, str] | None = None,
-                 startup_timeout: float = 180.0, wait_ready: bool = True) -> None:
+                 startup_timeout: float = 180.0, wait_ready: bool = True,
+                 prefix: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="gracelm-serve-", suffix=".log", delete=False)
-        command = [str(GRACELM), "serve", *([str(model)] if model is not None else []),
+        # `prefix`: a command that execs the server (same pid), e.g. one that drops capabilities.
+        command = [*prefix, str(GRACELM), "serve", *([str(model)] if model is not None else []),
                    "--port", str(self.port), *args]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **(env or {})}, start_new_session=True)

@@ -133,6 +133,13 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 def _open_safetensors(file: Path) -> Any:
     try:
+        # Opened here first: safetensors words every failure to open as "No such file or directory", a
+        # file the process may not read (permissions) included.
+        with file.open("rb"):
+            pass
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the weights file {file}: {e.strerror}") from e
+    try:
         return safe_open(file, framework="pt")
     except (SafetensorError, OSError) as e:
         raise ModelLoadError(f"{file} is not a readable safetensors file (corrupt or truncated?): {e}") from e

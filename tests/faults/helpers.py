@@ -1,0 +1,123 @@
+"""What the fault cases share: a slowed tiny server, its core, how it must end, a full filesystem, the core's
+end lines in the log, and the clean-up after a case that failed half-way."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.server_process import ServerProcess
+
+
+def serve(model: str, *args: str, wait_ready: bool = True, **hooks) -> ServerProcess:
+    hooks = {"test_step_sleep_s": 0.02, **hooks}
+    return ServerProcess(model, "--kv-cache-memory", "4MiB", "--stats-interval", "0",
+                         "--max-model-len", "512", "--num-threads", "1", *args, wait_ready=wait_ready,
+                         env={"GRACELM_TEST_HOOKS": json.dumps(hooks)})
+
+
+def core_of(server: ServerProcess) -> psutil.Process:
+    return next(p for p in server.children if "engine-core" in " ".join(p.cmdline()))
+
+
+def finish(server: ServerProcess, code: int, within: float) -> str:
+    assert server.wait_exit(within) == code, server.log()[-5000:]
+    server.assert_nothing_left()
+    log = server.log()
+    server.close_log()
+    return log
+
+
+def plain_request(url: str, result: list) -> threading.Thread:
+    def run() -> None:
+        body = {"prompt": "a dog", "max_tokens": 400, "ignore_eos": True}
+        result.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def health_once_failure_known(url: str, within: float = 2.0) -> int | str:
+    """`/health` as soon as it stops answering 200: it must turn 503 before the server goes away."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.get(f"{url}/health", timeout=1.0).status_code
+        except httpx.TransportError as e:
+            return f"unreachable: {e!r}"
+        if status != 200:
+            return status
+        time.sleep(0.01)
+    return 200
+
+
+@contextlib.contextmanager
+def full_filesystem(tmp_path):
+    """A tmpfs of 64 KiB, filled up: a runtime directory where no byte can be written."""
+    mount_point = tmp_path / "full"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        with contextlib.suppress(OSError), (mount_point / "filler").open("wb") as filler:
+            while True:
+                filler.write(b"\0" * 4096)
+                filler.flush()
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+
+ENDED = re.compile(r"engine core ended \((\w+)\): (.*)$")
+
+
+def ended_lines(log: str) -> list[tuple[str, str, str]]:
+    """Every `engine core ended (<reason>): <message>` line of the log: (reason, message, the whole line)."""
+    found = []
+    for line in log.splitlines():
+        m = ENDED.search(line)
+        if m:
+            found.append((m.group(1), m.group(2), line))
+    return found
+
+
+def assert_one_end(log: str, reason: str) -> str:
+    """Exactly one end line in the log, with `reason` (and no other reason's); returns its message. A fatal
+    end is logged at ERROR, a requested stop at INFO."""
+    ends = ended_lines(log)
+    assert [r for r, _, _ in ends] == [reason], f"end lines: {[line for _, _, line in ends]}\n{log[-5000:]}"
+    (_, message, line), = ends
+    level = "INFO" if reason == "stopped" else "ERROR"
+    assert f" {level} " in line, line
+    return message
+
+
+def leave_nothing_behind(server: ServerProcess, core: psutil.Process) -> None:
+    """After a test that failed early: resumes and kills the core (stopped, it might outlive everything
+    else) and then the whole server, by pid."""
+    with contextlib.suppress(psutil.Error):
+        core.resume()
+        core.kill()
+    if server.process.poll() is None:
+        server.kill()
+
+
+def wait_stopped(process: psutil.Process, within: float = 2.0) -> None:
+    """SIGSTOP takes effect asynchronously: a process running on another CPU stops a moment later."""
+    deadline = time.monotonic() + within
+    while process.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"pid {process.pid} not stopped: {process.status()}"
+        time.sleep(0.01)
+
