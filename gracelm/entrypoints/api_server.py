@@ -28,6 +28,7 @@ from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.messages import CoreState
 from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.lifecycle.exit_codes import ExitCode
+from gracelm.lifecycle.last_shutdown import save_last_shutdown
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.processes import exit_process
 from gracelm.lifecycle.server_state import Lifecycle, ServerState
@@ -101,12 +102,10 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             startup_timeline.mark("http_import")
     except StartupInterrupted as interrupt:
         logger.info("start-up abandoned: %s received while the engine was starting", interrupt.signal.name)
-        ledger.release_all().publish(config.shutdown_report)
-        return ExitCode.CLEAN_STOP
+        return _stopped(ledger.release_all(), ExitCode.CLEAN_STOP, config, settings, state)
     except Exception as exc:
         logger.error("start-up failed: %s", exc)
-        ledger.release_all().publish(config.shutdown_report)
-        return ExitCode.STARTUP_FAILURE
+        return _stopped(ledger.release_all(), ExitCode.STARTUP_FAILURE, config, settings, state)
     supervisor.engine = engine
     try:
         metrics = ServerMetrics(engine.runtime_dir / "prometheus",
@@ -122,7 +121,17 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
     finally:
         # The drain is over (or was cut short): the core has nothing left to finish.
         report = engine.shutdown(timeout=0)
-    return stop_exit_code(supervisor.exit_code, report)
+    code = stop_exit_code(supervisor.exit_code, report)
+    save_last_shutdown(settings.state_dir, report, code, state.entered)
+    return code
+
+
+def _stopped(report: ShutdownReport, code: ExitCode, config: EngineConfig, settings: ServerConfig,
+             state: ServerState) -> ExitCode:
+    """A start-up that ended early: its report published and kept, like a stop's."""
+    report.publish(config.shutdown_report)
+    save_last_shutdown(settings.state_dir, report, code, state.entered)
+    return code
 
 
 def stop_exit_code(code: ExitCode, report: ShutdownReport) -> ExitCode:

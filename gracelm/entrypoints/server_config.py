@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from gracelm import options
+from gracelm.lifecycle.last_shutdown import writable_dir_problem
 from gracelm.options import at_least, in_range, option
 
 API_KEY_ENV = "GRACELM_API_KEY"
@@ -25,6 +26,9 @@ class ServerConfig:
     stats_interval: float = option(10.0, "seconds between stats log lines (0: none)", check=at_least(0))
     drain_grace_period: float = option(0.0, "seconds to keep accepting new requests after readiness turns "
                                             "503 at a stop", check=at_least(0))
+    state_dir: str | None = option(None, "directory kept across restarts; holds last-shutdown.json, the last "
+                                         "stop's report, shown on /status (default: none kept)",
+                                   check=writable_dir_problem)
 
     def __post_init__(self) -> None:
         options.validate(self)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class ServerState:
 
     def __init__(self, max_waiting: int | None) -> None:
         self.lifecycle = Lifecycle.STARTING
+        # Wall-clock time each state began, by name: the status page's uptime and drain, the last shutdown's
+        # timeline.
+        self.entered: dict[str, float] = {Lifecycle.STARTING.value: time.time()}
         self.max_waiting = max_waiting
         self.num_waiting = 0
         self.num_active = 0
@@ -56,6 +60,7 @@ class ServerState:
         if lifecycle is not self.lifecycle:
             logger.info("server state %s -> %s", self.lifecycle.value, lifecycle.value)
             self.lifecycle = lifecycle
+            self.entered[lifecycle.value] = time.time()
 
     @property
     def alive(self) -> bool:
