@@ -23,7 +23,25 @@ from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
 from gracelm.entrypoints.api_errors import APIError, from_validation_error, install_error_handlers
 from gracelm.entrypoints.metrics import ServerMetrics
-from gracelm.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gracelm.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
+from gracelm.entrypoints.openapi_docs import (
+    HealthStatus,
+    Readiness,
+    VersionInfo,
+    answers,
+    generation,
+    install_openapi,
+    json_body,
+    plain_text,
+    probe,
+)
 from gracelm.entrypoints.request_guards import BodySizeLimit, api_key_dependency
 from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.entrypoints.serving_chat import ServingChat
@@ -61,22 +79,23 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
 
     app = FastAPI(title="gracelm", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)
     chat = ServingChat(engine, state, metrics, model_name)
     completion = ServingCompletion(engine, state, metrics, model_name)
 
-    @app.get("/health")
+    @app.get("/health", responses=probe(HealthStatus, "The engine is dead."))
     async def health() -> JSONResponse:
         alive = state.alive and not engine.failed
         return JSONResponse({"status": "ok" if alive else "dead", "state": state.lifecycle.value},
                             status_code=200 if alive else 503)
 
-    @app.get("/ready")
+    @app.get("/ready", responses=probe(Readiness, "Not running: starting, draining, stopping or dead."))
     async def ready() -> JSONResponse:
         ok = state.ready and not engine.failed
         return JSONResponse({"ready": ok, "state": state.lifecycle.value}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=plain_text(500))
     async def prometheus_metrics() -> Response:
         if engine.is_running:
             # The engine may end while we ask; the scrape still answers, with the lifecycle state saying so.
@@ -88,23 +107,25 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/version")
+    @app.get("/version", responses=answers(VersionInfo, 500))
     async def version() -> dict:
         return {"version": _version()}
 
     deps = [Depends(api_key_dependency(settings.api_key))] if settings.api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=deps)
 
-    @v1.get("/models")
+    @v1.get("/models", responses=answers(ModelList, 401, 500))
     async def models() -> dict:
         card = ModelCard(id=model_name, max_model_len=engine.config.max_model_len)
         return ModelList(data=[card]).model_dump()
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=generation(ChatCompletionResponse),
+             openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(raw_request: Request) -> Response:
         return await chat.create(await _parse(raw_request, ChatCompletionRequest), raw_request)
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=generation(CompletionResponse),
+             openapi_extra=json_body(CompletionRequest))
     async def completions(raw_request: Request) -> Response:
         return await completion.create(await _parse(raw_request, CompletionRequest), raw_request)
 
