@@ -4,7 +4,8 @@
 loads), `test_step_sleep_s` (slow every step), `test_raise_after_steps`, `test_hang_after_steps` and
 `test_exit_after_steps` (raise, hang or `os._exit(5)` once that many steps have run), and
 `test_kv_snapshot_block_sleep_s` (a KV-cache snapshot writes each block that much slower, so that a test
-can kill the core half-way through a save). Children inherit the
+can kill the core half-way through a save). A tensor-parallel worker reads `test_worker_raise_after_steps` and
+`test_worker_hang_after_steps` (raise or hang once it has run that many steps). Children inherit the
 variable, so a test sets it around the start of a server or an engine and the hooks reach the core without
 passing through any configuration.
 """
