@@ -99,6 +99,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             from gracelm.entrypoints.app import build_app
             from gracelm.entrypoints.http_server import HttpServer
             from gracelm.entrypoints.metrics import ServerMetrics
+            from gracelm.entrypoints.metrics_files import reserve_metric_files
             startup_timeline.mark("http_import")
     except StartupInterrupted as interrupt:
         logger.info("start-up abandoned: %s received while the engine was starting", interrupt.signal.name)
@@ -107,10 +108,17 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
         logger.error("start-up failed: %s", exc)
         return _stopped(ledger.release_all(), ExitCode.STARTUP_FAILURE, config, settings, state)
     supervisor.engine = engine
+    # A metrics file that finds its filesystem full while serving is a clean fatal stop naming it.
+    loop = asyncio.get_running_loop()
+    reserve_metric_files(lambda error: loop.call_soon_threadsafe(supervisor.fail, str(error)))
     try:
-        metrics = ServerMetrics(engine.runtime_dir / "prometheus",
-                                settings.served_model_name or engine.model_name,
-                                tuple(s.value for s in Lifecycle), tuple(s.value for s in CoreState))
+        try:
+            metrics = ServerMetrics(engine.runtime_dir / "prometheus",
+                                    settings.served_model_name or engine.model_name,
+                                    tuple(s.value for s in Lifecycle), tuple(s.value for s in CoreState))
+        except OSError as exc:  # no room for its first files
+            logger.error("start-up failed: %s", exc)
+            return _stopped(engine.shutdown(timeout=0), ExitCode.STARTUP_FAILURE, config, settings, state)
         ledger.acquire(ResourceKind.DIRECTORY, f"prometheus dir {metrics.directory}", metrics.close)
         server = HttpServer(uvicorn.Config(build_app(engine, settings, state, metrics, ledger),
                                            log_config=None, timeout_graceful_shutdown=5))
