@@ -31,7 +31,9 @@ from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.last_shutdown import save_last_shutdown
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.processes import exit_process
+from gracelm.lifecycle.sd_notify import SdNotify
 from gracelm.lifecycle.server_state import Lifecycle, ServerState
+from gracelm.lifecycle.service_notifier import ServiceNotifier
 from gracelm.lifecycle.signals import HANDLED_SIGNALS, SignalHandler, SignalPolicy, StartupInterrupted
 from gracelm.lifecycle.supervisor import Supervisor
 
@@ -78,7 +80,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.socket) -> ExitCode:
     state = ServerState(settings.max_waiting_requests)
-    supervisor = Supervisor(state, config.shutdown_timeout, settings.drain_grace_period)
+    notifier = ServiceNotifier(SdNotify.from_env(), state)
+    supervisor = Supervisor(state, config.shutdown_timeout, settings.drain_grace_period, notifier)
     ledger = Ledger()
     signals = SignalHandler(supervisor, SignalPolicy(fatal_report=lambda: _fatal_report(supervisor)))
     # Installed before anything starts, and restored (inline: main thread, inside the loop) last of all.
@@ -89,7 +92,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
     ledger.acquire(ResourceKind.SOCKET, f"listener {host}:{port}", sock.close)
     http_stack = _import_http_stack()
     try:
-        with signals.abandoning_startup():
+        with signals.abandoning_startup(), notifier.loading(config.model or "the default model"):
             _record_resource_tracker(ledger)
             engine = AsyncEngine.from_config(config, ledger=ledger, on_fatal=supervisor.on_engine_fatal)
             startup_timeline.mark("frontend")
@@ -123,6 +126,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
         server = HttpServer(uvicorn.Config(build_app(engine, settings, state, metrics, ledger),
                                            log_config=None, timeout_graceful_shutdown=5))
         supervisor.server = server
+        _start_notifier(notifier, server, state, engine, ledger)
         logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
         await server.serve(sockets=[sock])
         logger.info("HTTP server stopped")
@@ -140,6 +144,16 @@ def _stopped(report: ShutdownReport, code: ExitCode, config: EngineConfig, setti
     report.publish(config.shutdown_report)
     save_last_shutdown(settings.state_dir, report, code, state.entered)
     return code
+
+
+def _start_notifier(notifier: ServiceNotifier, server, state: ServerState, engine: AsyncEngine,
+                    ledger: Ledger) -> None:
+    """systemd's READY, status line and watchdog (nothing outside systemd). Ready and healthy as `/ready`
+    and `/health` judge; the watchdog's liveness probe is a `stats` call, which the core answers."""
+    tasks = notifier.start(server.serving, ready=lambda: state.ready and not engine.failed,
+                           healthy=lambda: state.alive and not engine.failed, probe=engine.stats)
+    for task in tasks:
+        ledger.acquire(ResourceKind.TASK, f"asyncio task {task.get_name()}", task.cancel, inline=True)
 
 
 def stop_exit_code(code: ExitCode, report: ShutdownReport) -> ExitCode:

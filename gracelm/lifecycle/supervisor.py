@@ -14,7 +14,8 @@ brings the core's deadline to now. A fatal end of the core turns the state DEAD 
 engine has already failed what was in flight (its streams raise, the routes answer 500 or an error
 event) — and stops with exit code 1. A child that fails sends its report, then SIGQUIT: whichever the
 supervisor hears first, the core's end decides, so the stop is a failure either way. Every wait here is
-woken by its event (the last answer, the core's end, a failure), never by a polling interval.
+woken by its event (the last answer, the core's end, a failure), never by a polling interval. Under systemd
+its `ServiceNotifier` says each phase (`STOPPING=1` and the drain's bound at its start, the failure).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import psutil
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.process_end import ProcessEnd
 from gracelm.lifecycle.server_state import Lifecycle, ServerState
+from gracelm.lifecycle.service_notifier import ServiceNotifier
 from gracelm.lifecycle.signals import Decision
 from gracelm.lifecycle.stacks import dump_all_stacks, request_stack_dumps
 
@@ -35,6 +37,10 @@ logger = logging.getLogger("gracelm.supervisor")
 
 # Beyond the shutdown timeout, how long the drain waits for the answers and the core's exit.
 _DRAIN_SLACK_S = 10.0
+# Beyond the grace period and the shutdown timeout, how long a graceful stop may take at most: the drain's
+# slack, uvicorn's close of open connections (5 s) and the releases that follow. systemd's and Kubernetes's
+# stop timeouts are made at least that long (`entrypoints/deploy.py`), and so is the notified extension.
+STOP_MARGIN_S = _DRAIN_SLACK_S + 10.0
 # How long uvicorn waits for open connections once asked to stop after an immediate stop or a failure.
 _FAST_CLOSE_S = 1.0
 # After a fatal failure, how long the server still answers (`/health` 503, new requests 503) before its
@@ -44,8 +50,10 @@ _DEAD_ANSWER_S = 0.25
 
 
 class Supervisor:
-    def __init__(self, state: ServerState, shutdown_timeout: float, drain_grace_period: float) -> None:
+    def __init__(self, state: ServerState, shutdown_timeout: float, drain_grace_period: float,
+                 notifier: ServiceNotifier) -> None:
         self.state = state
+        self.notifier = notifier  # systemd's view of the phases (does nothing outside systemd)
         self.shutdown_timeout = shutdown_timeout
         self.drain_grace_period = drain_grace_period
         self.engine = None  # the AsyncEngine, once started
@@ -94,6 +102,7 @@ class Supervisor:
         logger.error("fatal: %s; failing in-flight requests and stopping (exit code %d)", reason,
                      ExitCode.FATAL)
         self.state.set(Lifecycle.DEAD)
+        self.notifier.failed(reason)
         self._failed.set()
         self._immediate.set()
         if self.server is not None:
@@ -109,6 +118,8 @@ class Supervisor:
     async def _run_drain(self) -> None:
         started = time.monotonic()
         self.state.set(Lifecycle.DRAINING)
+        deadline = 0.0 if self._immediate.is_set() else self.drain_grace_period + self.shutdown_timeout
+        self.notifier.draining(deadline, deadline + STOP_MARGIN_S)
         if self.drain_grace_period > 0 and not self._immediate.is_set():
             logger.info("draining: still accepting requests for %.1f s (grace period)",
                         self.drain_grace_period)
@@ -117,6 +128,7 @@ class Supervisor:
             except TimeoutError:
                 pass
         self.state.accepting = False
+        self.notifier.update()
         timeout = 0.0 if self._immediate.is_set() else self.shutdown_timeout
         logger.info("draining: %d requests in flight, %.1f s to finish", self.state.num_active, timeout)
         assert self.engine is not None
@@ -128,6 +140,7 @@ class Supervisor:
         logger.info("drain done in %.2f s", time.monotonic() - started)
         if self.state.alive:
             self.state.set(Lifecycle.STOPPING)
+            self.notifier.update()
         if self.server is not None:
             self.server.request_exit()
 
