@@ -17,11 +17,12 @@ import pytest
 from tests.server_process import ServerProcess
 
 
-def serve(model: str, *args: str, wait_ready: bool = True, **hooks) -> ServerProcess:
+def serve(model: str, *args: str, wait_ready: bool = True, env: dict[str, str] | None = None,
+          **hooks) -> ServerProcess:
     hooks = {"test_step_sleep_s": 0.02, **hooks}
     return ServerProcess(model, "--kv-cache-memory", "4MiB", "--stats-interval", "0",
                          "--max-model-len", "512", "--num-threads", "1", *args, wait_ready=wait_ready,
-                         env={"GRACELM_TEST_HOOKS": json.dumps(hooks)})
+                         env={"GRACELM_TEST_HOOKS": json.dumps(hooks), **(env or {})})
 
 
 def core_of(server: ServerProcess) -> psutil.Process:
@@ -61,23 +62,34 @@ def health_once_failure_known(url: str, within: float = 2.0) -> int | str:
 
 
 @contextlib.contextmanager
-def full_filesystem(tmp_path):
-    """A tmpfs of 64 KiB, filled up: a runtime directory where no byte can be written."""
+def small_filesystem(tmp_path, size: str = "64k"):
+    """A tmpfs of `size` mounted by the test (root only), unmounted at the end."""
     mount_point = tmp_path / "full"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
     try:
-        with contextlib.suppress(OSError), (mount_point / "filler").open("wb") as filler:
-            while True:
-                filler.write(b"\0" * 4096)
-                filler.flush()
         yield mount_point
     finally:
         subprocess.run(["umount", str(mount_point)], check=True)
 
+
+def fill(mount_point) -> None:
+    """Writes a file `filler` until no byte fits."""
+    with contextlib.suppress(OSError), (mount_point / "filler").open("wb") as filler:
+        while True:
+            filler.write(b"\0" * 4096)
+            filler.flush()
+
+
+@contextlib.contextmanager
+def full_filesystem(tmp_path):
+    """A tmpfs of 64 KiB, filled up: a runtime directory where no byte can be written."""
+    with small_filesystem(tmp_path) as mount_point:
+        fill(mount_point)
+        yield mount_point
 
 
 ENDED = re.compile(r"engine core ended \((\w+)\): (.*)$")

@@ -14,15 +14,9 @@ import psutil
 import pytest
 
 from tests.server_process import ServerProcess, start_streams
-from tests.tiny_models import tiny_model
 
 EXPECTED_KINDS = {"process", "thread", "task", "socket", "zmq context", "directory", "shared memory", "model",
                   "kv cache", "signal handlers"}
-
-
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(tiny_model("llama"))
 
 
 def serve(model: str, *args: str, step_sleep: float = 0.01) -> ServerProcess:
