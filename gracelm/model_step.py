@@ -44,3 +44,11 @@ class SampledToken:
     logprob: float | None = None  # when the request asked for logprobs
     top_ids: list[int] | None = None  # the top-N alternatives, most likely first
     top_logprobs: list[float] | None = None
+
+
+@dataclass
+class SamplingFault:
+    """In place of a row's token: its sampling raised. Only that row's request ends (finish_reason "error");
+    the rest of the step stands. `error` is the exception in one line (the traceback is in the core's log)."""
+
+    error: str

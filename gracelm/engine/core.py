@@ -13,8 +13,13 @@ Failure reporting: a loop that raises sends `FatalError` with its traceback, clo
 sends SIGQUIT to its parent when the parent handles that signal (the server's supervisor does; a user's
 program running the offline `Engine` may not, and the default action of SIGQUIT would kill it).
 
+Containment: a fault that belongs to one request — its sampling (`Worker.sample_step`), its stop checks
+(`Scheduler.update_from_output`) — ends that request with finish_reason "error" (`TokenOutput.fault` names
+the stage) and the loop goes on; anything else that raises in a step (the forward pass, the KV cache, a
+worker) is fatal as above.
+
 Test-only hooks (`lifecycle/test_hooks.py`, never set in production) slow the load or the steps, or make
-the loop raise, hang or exit once a number of steps have run.
+the loop raise, hang or exit once a number of steps have run, or one request's sampling raise.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from gracelm.engine import messages as msg
 from gracelm.engine.kv_persistence import KVPersistence
 from gracelm.engine.messages import CoreState
 from gracelm.engine.request import Request
-from gracelm.engine.scheduler import Scheduler, SchedulerConfig
+from gracelm.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.heartbeat import Heartbeat
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
@@ -135,8 +140,7 @@ class EngineCore:
         sampled = self.executor.execute(scheduled.model_step(self.config.block_size))
         updates = self.scheduler.update_from_output(scheduled, sampled)
         self.executor.release_requests([u.request_id for u in updates if u.finished])
-        return [msg.TokenOutput(u.request_id, u.token_id, u.finish_reason, u.stop_reason, u.sampled.logprob,
-                                u.sampled.top_ids, u.sampled.top_logprobs) for u in updates]
+        return [_token_output(u) for u in updates]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -319,6 +323,14 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
     resources = [r for part in (saved, *executor_reports, report) for r in part.to_dict()["resources"]]
     output_socket.send(msg.encode(msg.Stopped(resources)))
     return ExitCode.CLEAN_STOP
+
+
+def _token_output(update: RequestUpdate) -> msg.TokenOutput:
+    sampled = update.sampled
+    if sampled is None:  # a fault ended the request (containment: `Scheduler.update_from_output`)
+        return msg.TokenOutput(update.request_id, None, update.finish_reason, fault=update.fault)
+    return msg.TokenOutput(update.request_id, sampled.token_id, update.finish_reason, update.stop_reason,
+                           sampled.logprob, sampled.top_ids, sampled.top_logprobs)
 
 
 def _startup_marks() -> list[tuple[str, float]]:

@@ -4,10 +4,15 @@ Decoding token by token is wrong for byte-level tokenizers (a multi-byte charact
 tokens) and for tokenizers whose pieces depend on their neighbours (leading spaces). So each step decodes a
 short window of recent tokens twice — without and with the new tokens — and takes the difference; while
 the window ends in an incomplete character (U+FFFD) nothing is emitted and the tokens wait for the next.
+
+Stop strings are found by the request's `StopStrings` automaton, which reads each new character once: the
+cost of a token does not grow with the number or the length of the stop strings (this runs in the server's
+event loop, for every completion, after every token).
 """
 
 from __future__ import annotations
 
+from gracelm.engine.stop_strings import ROOT, StopStrings
 from gracelm.model.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
@@ -18,19 +23,21 @@ _CONTEXT_TOKENS = 6
 class IncrementalDetokenizer:
     """Text of one completion, decoded with the model's `Tokenizer`.
 
-    `stop` strings end the completion at their first occurrence (even when it spans tokens) and are not
-    part of the text. `stream_delta()` never hands out text that could still turn out to begin a stop
-    string, so a streamed reply never shows a stop string, nor a part of one.
+    `stop` strings end the completion at the first one completed (even when it spans tokens) and are not
+    part of the text; the `n` completions of a request share one `StopStrings`. `stream_delta()` never hands
+    out text that could still turn out to begin a stop string, so a streamed reply never shows a stop
+    string, nor a part of one.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 stop: StopStrings | list[str] | None = None, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._stops = [s for s in (stop or []) if s]
+        self._stops = stop if isinstance(stop, StopStrings) else StopStrings(stop or [])
+        self._stop_state = ROOT
         self._text = ""
         self._streamed = 0
         self.stop_string: str | None = None
@@ -63,7 +70,7 @@ class IncrementalDetokenizer:
 
     def stream_delta(self) -> str:
         """The text produced since the last call that can no longer change."""
-        end = len(self._text) if self.finished else len(self._text) - self._stop_prefix_tail()
+        end = len(self._text) if self.finished else len(self._text) - self._stops.depth(self._stop_state)
         if end <= self._streamed:
             return ""
         delta = self._text[self._streamed:end]
@@ -87,30 +94,12 @@ class IncrementalDetokenizer:
             return None
         start = len(self._text)
         self._text += new_text
-        hit = self._find_stop(start)
-        if hit is None:
+        if not self._stops:
             return None
-        index, stop = hit
-        self._text = self._text[:index]
-        self.stop_string = stop
+        self._stop_state, match = self._stops.advance(self._stop_state, self._text, start)
+        if match is None:
+            return None
+        self._text = self._text[:match.start]
+        self.stop_string = match.stop
         self.finished = True
-        return stop
-
-    def _find_stop(self, appended_at: int) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            # Only a match that ends in the new text is new; it may begin up to len(stop)-1 chars earlier.
-            index = self._text.find(stop, max(0, appended_at - len(stop) + 1))
-            if index >= 0 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
-
-    def _stop_prefix_tail(self) -> int:
-        """Length of the longest end of the text that is the beginning of some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if stop.startswith(self._text[-k:]):
-                    longest = k
-                    break
-        return longest
+        return match.stop

@@ -126,6 +126,12 @@ class EngineFrontend:
         check_prompt(ids, self.config.max_model_len, self.model_config.vocab_size)
         return text, ids
 
+    @property
+    def request_faults(self) -> dict[str, int]:
+        """Requests ended by a fault of their own (finish_reason "error"), by stage: "sampling",
+        "stop_check" (in the core) or "detokenize" (here); the engine served on."""
+        return dict(self._processor.faults)
+
     def _conversation_ids(self, messages: Messages) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 

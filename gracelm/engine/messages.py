@@ -70,7 +70,8 @@ class TokenOutput(msgspec.Struct, array_like=True):
     """What one step produced for one request. `finish_reason` is None while it runs.
 
     `stop_reason` is the stop token id when the request ended on one; logprobs fields are set when the
-    request asked for them: the sampled token's logprob and the top-N alternatives.
+    request asked for them: the sampled token's logprob and the top-N alternatives. `fault` names the stage
+    whose exception ended this request alone (finish_reason "error", no token): "sampling" or "stop_check".
     """
 
     request_id: str
@@ -80,6 +81,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     logprob: float | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    fault: str | None = None
 
 
 class OutputsBatch(msgspec.Struct, tag=True):

@@ -5,10 +5,16 @@ back here into one `RequestOutput`. Each call of `process` gives, for every requ
 the new tokens, text and logprobs of the completions that moved (see `outputs.py`). Stop strings are found
 here, not in the core: a completion that hits one is finished at once and its core request must be aborted
 (`ProcessedOutputs.core_ids_to_abort`).
+
+Containment: a fault of one request — reported by the core (its sampling or stop checks raised) or met here
+(its detokenization raised) — ends that request, every completion of it with `finish_reason="error"`, and
+nothing else; the faults are counted by stage (`faults`) and logged with the request id.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,8 +23,13 @@ import msgspec
 from gracelm.engine import messages as msg
 from gracelm.engine.detokenizer import IncrementalDetokenizer
 from gracelm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from gracelm.engine.stop_strings import StopStrings
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+# The stage of a fault met here, beside those the core reports (`TokenOutput.fault`).
+DETOKENIZE_STAGE = "detokenize"
 
 
 @dataclass
@@ -75,6 +86,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._requests: dict[str, _RequestState] = {}
         self._by_core_id: dict[str, tuple[_RequestState, _Completion]] = {}
+        self.faults: collections.Counter[str] = collections.Counter()  # requests ended by a fault, by stage
 
     def has_unfinished(self) -> bool:
         """Whether some core request is still expected to produce outputs."""
@@ -88,9 +100,10 @@ class OutputProcessor:
         arrival = time.time()
         state = _RequestState(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival))
         adds = []
+        stops = StopStrings(params.stop)  # one automaton for the n completions
         for index in range(params.n):
             core_id = f"{request_id}/{index}"
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stops)
             completion = _Completion(index, core_id, detokenizer, params.logprobs is not None)
             state.completions.append(completion)
             self._by_core_id[core_id] = (state, completion)
@@ -109,10 +122,18 @@ class OutputProcessor:
             if entry is None:  # aborted here already
                 continue
             state, completion = entry
-            if self._apply(completion, out):
-                to_abort.append(completion.core_id)
+            fault = out.fault
+            if fault is None:
+                try:
+                    if self._apply(completion, out):
+                        to_abort.append(completion.core_id)
+                except Exception:  # this request's own fault: it ends, the others go on
+                    logger.exception("request %s: its output processing raised", completion.core_id)
+                    fault = DETOKENIZE_STAGE
+            if fault is not None:
+                to_abort.extend(self._fail(state, fault))
             if completion.finish_reason is not None:
-                del self._by_core_id[completion.core_id]
+                self._by_core_id.pop(completion.core_id, None)
             if out.token_id is not None and state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             moved[state.request_id] = state
@@ -136,6 +157,21 @@ class OutputProcessor:
                 core_ids.append(completion.core_id)
         state.metrics.finish_time = time.time()
         return state.take_delta(), core_ids
+
+    def _fail(self, state: _RequestState, stage: str) -> list[str]:
+        """Ends every unfinished completion of the request with "error" (its detokenizer, which may be the
+        faulty part, is not called again); returns their core ids, to abort."""
+        self.faults[stage] += 1
+        logger.error("request %s ended with an error: a fault in its %s (the engine serves on)",
+                     state.request_id, stage)
+        core_ids = []
+        for completion in state.completions:
+            if completion.finish_reason is None:
+                completion.moved = True
+                completion.finish_reason = "error"
+                self._by_core_id.pop(completion.core_id, None)
+                core_ids.append(completion.core_id)
+        return core_ids
 
     def _apply(self, completion: _Completion, out: msg.TokenOutput) -> bool:
         """Applies one core output; True when a stop string ended the completion here (abort it)."""

@@ -31,8 +31,9 @@ class RequestMetrics:
 class CompletionOutput:
     """One of the `n` completions of a request, cumulative so far.
 
-    `finish_reason` is None while it runs, then "stop" (EOS, a stop token or a stop string), "length" or
-    "abort". `stop_reason` is the stop string or stop token id that ended it, if any. `logprobs` has, for
+    `finish_reason` is None while it runs, then "stop" (EOS, a stop token or a stop string), "length",
+    "abort" or "error" (a fault of this request in the engine: it ended, the engine serves on).
+    `stop_reason` is the stop string or stop token id that ended it, if any. `logprobs` has, for
     each generated token, a dict from token id to `Logprob` holding the sampled token and the top-N ones.
     """
 

@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # a fault of this request alone (its sampling or stop checks raised)
 
     @property
     def is_finished(self) -> bool:
@@ -23,7 +24,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI's `finish_reason` for a finished state ("stop" | "length" | "abort"), else None."""
+        """OpenAI's `finish_reason` of a finished state ("stop", "length", "abort", "error"), else None."""
         return _FINISH_REASONS.get(self)
 
 
@@ -31,6 +32,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -4,10 +4,15 @@ Invariant behind preemption and FCFS: `running` followed by `waiting` lists ever
 arrival order. Admission takes the head of `waiting` (strictly first come, first served), preemption
 moves the tail of `running` back to the head of `waiting`, so the request preempted is always the most
 recently arrived running one, and a preempted request resumes before anything that arrived after it.
+
+Containment: a request whose sampling failed (a `SamplingFault` in place of its token) or whose own update
+raises (its stop checks) finishes with `finish_reason="error"`, its blocks freed; the other requests of the
+step are updated as usual. The KV-cache bookkeeping is not guarded: a fault there is the engine's, fatal.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -15,7 +20,12 @@ from dataclasses import dataclass, field
 from gracelm.arith import cdiv
 from gracelm.engine.kv_cache_manager import KVCacheManager
 from gracelm.engine.request import Request, RequestStatus
-from gracelm.model_step import ModelStep, SampledToken, StepBatch
+from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch
+
+logger = logging.getLogger(__name__)
+# The stages of a request's own faults, as `RequestUpdate.fault` names them.
+SAMPLING_STAGE = "sampling"
+STOP_CHECK_STAGE = "stop_check"
 
 
 @dataclass
@@ -96,14 +106,15 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class RequestUpdate:
     request_id: str
-    sampled: SampledToken
+    sampled: SampledToken | None  # None when a fault ended the request
     finished: bool
-    finish_reason: str | None  # "stop" | "length" once finished
+    finish_reason: str | None  # "stop" | "length" | "error" once finished
     stop_reason: int | None  # the stop_token_ids entry that ended it
+    fault: str | None = None  # the stage whose exception ended this request ("error")
 
     @property
-    def token_id(self) -> int:
-        return self.sampled.token_id
+    def token_id(self) -> int | None:
+        return self.sampled.token_id if self.sampled is not None else None
 
 
 class Scheduler:
@@ -163,9 +174,10 @@ class Scheduler:
             budget -= self._add(output, request, num_new)
         return output
 
-    def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestUpdate]:
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: list[SampledToken | SamplingFault]) -> list[RequestUpdate]:
         """Records a step's results: computed tokens, newly full blocks, sampled tokens and stops.
-        `sampled` holds one token per request of `output.sampling`, in that order."""
+        `sampled` holds one token (or fault) per request of `output.sampling`, in that order."""
         updates = []
         any_finished = False
         tokens = iter(sampled)
@@ -178,8 +190,18 @@ class Scheduler:
             self.kv_cache.cache_full_blocks(request)
             if token is None:
                 continue
-            request.append_output_token(token.token_id)
-            status = self._stop_status(request, token.token_id)
+            if isinstance(token, SamplingFault):
+                updates.append(self._fail(request, SAMPLING_STAGE, token.error))
+                any_finished = True
+                continue
+            try:
+                request.append_output_token(token.token_id)
+                status = self._stop_status(request, token.token_id)
+            except Exception as e:  # this request's own fault: it ends, the step goes on
+                logger.exception("request %s: its stop checks raised", request.request_id)
+                updates.append(self._fail(request, STOP_CHECK_STAGE, f"{type(e).__name__}: {e}"))
+                any_finished = True
+                continue
             if status is not None:
                 self._finish(request, status)
                 any_finished = True
@@ -260,6 +282,13 @@ class Scheduler:
                 max_tokens is not None and len(request.output_token_ids) >= max_tokens):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _fail(self, request: Request, stage: str, error: str) -> RequestUpdate:
+        """Ends a request whose own processing raised, with finish_reason "error"."""
+        logger.error("request %s ended with an error: its %s failed (%s); the engine serves on",
+                     request.request_id, stage, error)
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return RequestUpdate(request.request_id, None, True, request.finish_reason, None, stage)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

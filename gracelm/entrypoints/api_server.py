@@ -100,6 +100,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             import uvicorn
 
             from gracelm.entrypoints.app import build_app
+            from gracelm.entrypoints.header_timeout import header_timeout_protocol
             from gracelm.entrypoints.http_server import HttpServer
             from gracelm.entrypoints.metrics import ServerMetrics
             from gracelm.entrypoints.metrics_files import reserve_metric_files
@@ -124,7 +125,8 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             return _stopped(engine.shutdown(timeout=0), ExitCode.STARTUP_FAILURE, config, settings, state)
         ledger.acquire(ResourceKind.DIRECTORY, f"prometheus dir {metrics.directory}", metrics.close)
         server = HttpServer(uvicorn.Config(build_app(engine, settings, state, metrics, ledger),
-                                           log_config=None, timeout_graceful_shutdown=5))
+                                           log_config=None, timeout_graceful_shutdown=5,
+                                           http=header_timeout_protocol(settings.header_timeout)))
         supervisor.server = server
         _start_notifier(notifier, server, state, engine, ledger)
         logger.info("serving %s on http://%s:%d", engine.model_name, host, port)

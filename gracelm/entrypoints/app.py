@@ -43,6 +43,7 @@ from gracelm.entrypoints.openapi_docs import (
     probe,
 )
 from gracelm.entrypoints.request_guards import BodySizeLimit, api_key_dependency
+from gracelm.entrypoints.request_limits import RequestLimits
 from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.entrypoints.serving_chat import ServingChat
 from gracelm.entrypoints.serving_completion import ServingCompletion
@@ -81,8 +82,9 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)
-    chat = ServingChat(engine, state, metrics, model_name)
-    completion = ServingCompletion(engine, state, metrics, model_name)
+    limits = RequestLimits(settings.max_stop_strings, settings.max_stop_chars)
+    chat = ServingChat(engine, state, metrics, model_name, limits)
+    completion = ServingCompletion(engine, state, metrics, model_name, limits)
 
     @app.get("/health", responses=probe(HealthStatus, "The engine is dead."))
     async def health() -> JSONResponse:
@@ -104,6 +106,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
         else:
             metrics.set_core_state(None)
         metrics.set_lifecycle(state.lifecycle.value)
+        metrics.set_request_faults(engine.request_faults)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 

@@ -18,7 +18,10 @@ _ENV = "PROMETHEUS_MULTIPROC_DIR"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.4, 0.8, 2.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# Where a request's own fault may end it (containment; the engine serves on): its stages in the engine core,
+# then the frontend's.
+FAULT_STAGES = ("sampling", "stop_check", "detokenize")
 
 
 class ServerMetrics:
@@ -74,7 +77,13 @@ class ServerMetrics:
                              [*label], buckets=ITL_BUCKETS, registry=None)
         self.e2e = Histogram("gracelm_e2e_request_latency_seconds", "Request latency, arrival to finish.",
                              [*label], buckets=E2E_BUCKETS, registry=None)
+        self.request_faults = Counter("gracelm_request_faults", "Requests ended by a fault of their own "
+                                      "(finish_reason error; the engine served on), by stage.",
+                                      [*label, "stage"], registry=None)
+        self._faults_seen: dict[str, int] = {}
         # Label sets exist from the start, so a scrape shows every series at 0 rather than omitting them.
+        for stage in FAULT_STAGES:
+            self.request_faults.labels(**label, stage=stage)
         for reason in FINISH_REASONS:
             self.finished.labels(**label, finished_reason=reason)
         for metric in (self.prompt_tokens, self.generation_tokens):
@@ -92,6 +101,14 @@ class ServerMetrics:
                                                        if queries else 0.0)
         self.kv_restored.labels(**self._label).set(stats.get("kv_restored_blocks", 0))
         self.kv_restored_hits.labels(**self._label).set(stats.get("kv_restored_block_hits", 0))
+
+    def set_request_faults(self, counts: dict[str, int]) -> None:
+        """Brings the fault counter up to the engine's running counts, by stage."""
+        for stage, count in counts.items():
+            new = count - self._faults_seen.get(stage, 0)
+            if new > 0:
+                self.request_faults.labels(**self._label, stage=stage).inc(new)
+                self._faults_seen[stage] = count
 
     def set_lifecycle(self, state: str) -> None:
         for name in self._states:

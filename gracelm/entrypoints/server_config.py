@@ -23,6 +23,11 @@ class ServerConfig:
     max_waiting_requests: int | None = option(None, "answer 503 when this many admitted requests wait to "
                                                     "start (default: no limit)", check=at_least(1))
     max_request_body_bytes: int = option(1 << 20, "answer 413 to larger request bodies", check=at_least(1))
+    max_stop_strings: int = option(64, "answer 400 to a request with more stop strings", check=at_least(0))
+    max_stop_chars: int = option(4096, "answer 400 to a request whose stop strings are longer than this in "
+                                       "all", check=at_least(0))
+    header_timeout: float = option(10.0, "seconds a client may take to send a request's headers; the "
+                                         "connection is closed after that", check=at_least(0.001))
     stats_interval: float = option(10.0, "seconds between stats log lines (0: none)", check=at_least(0))
     drain_grace_period: float = option(0.0, "seconds to keep accepting new requests after readiness turns "
                                             "503 at a stop", check=at_least(0))

@@ -24,6 +24,7 @@ from gracelm.engine.request import PromptError
 from gracelm.entrypoints.api_errors import APIError, from_value_error
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import SamplingFields, Usage
+from gracelm.entrypoints.request_limits import RequestLimits
 from gracelm.lifecycle.server_state import Admission, ServerState
 from gracelm.sampling_params import SamplingParams
 
@@ -35,12 +36,13 @@ DONE = "data: [DONE]\n\n"
 class ServingBase:
     """One endpoint's access to the engine; subclasses turn requests and outputs into OpenAI's shapes."""
 
-    def __init__(self, engine: AsyncEngine, state: ServerState, metrics: ServerMetrics,
-                 model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, state: ServerState, metrics: ServerMetrics, model_name: str,
+                 limits: RequestLimits) -> None:
         self.engine = engine
         self.state = state
         self.metrics = metrics
         self.model_name = model_name
+        self.limits = limits
 
     @staticmethod
     def new_request_id(prefix: str) -> str:
@@ -54,6 +56,7 @@ class ServingBase:
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self.limits.check_stop(stop)
         fields = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=stop,
                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                       ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
@@ -136,6 +139,8 @@ class ServingBase:
             logger.info("client disconnected; request aborted")
             raise APIError(499, "the client closed the connection", code="client_closed_request")
         final = collect.result()
+        if any(o.finish_reason == "error" for o in final.outputs):
+            raise failed_error(final.request_id)
         if any(o.finish_reason == "abort" for o in final.outputs):
             raise aborted_error()
         return final
@@ -162,25 +167,30 @@ class Run:
 
 class StreamTally:
     """What a stream's loop counts as it goes: completion tokens (for the usage chunk) and whether the
-    server aborted the request (for the error event it then ends with)."""
+    server aborted the request or a fault ended it (for the error event it then ends with)."""
 
     def __init__(self, num_prompt_tokens: int) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.completion_tokens = 0
         self.aborted = False
+        self.failed = False
 
     def add(self, output: CompletionOutput) -> None:
         self.completion_tokens += len(output.token_ids)
         self.aborted = self.aborted or output.finish_reason == "abort"
+        self.failed = self.failed or output.finish_reason == "error"
+
+    def error_event(self, request_id: str) -> str | None:
+        """The event after the last chunk of a request that did not end well: never a silent end after
+        half an answer."""
+        if self.failed:
+            return sse_data(failed_error(request_id).body())
+        if self.aborted:
+            return sse_data(aborted_error().body())
+        return None
 
     def usage(self) -> Usage:
         return usage_of(self.num_prompt_tokens, self.completion_tokens)
-
-
-def aborted_event() -> str:
-    """The event after the last chunk of a request the server aborted: never a silent end after half an
-    answer."""
-    return sse_data(aborted_error().body())
 
 
 async def _ended(events: AsyncGenerator[str]) -> AsyncGenerator[str]:
@@ -238,6 +248,13 @@ def final_usage(num_prompt_tokens: int, final: RequestOutput) -> Usage:
 def aborted_error() -> APIError:
     """What a request the server aborted gets: never a 200 with half an answer (vLLM #57082)."""
     return APIError(503, "the request was aborted by the server before it finished", code="request_aborted")
+
+
+def failed_error(request_id: str) -> APIError:
+    """What a request ended by a fault of its own gets (finish_reason "error"; the engine serves on): the
+    details are in the server's log under the request's id."""
+    return APIError(500, f"request {request_id} failed in the engine; the details are in the server's log "
+                         f"under its id", code="request_failed")
 
 
 def _engine_dead(exc: EngineDeadError) -> APIError:

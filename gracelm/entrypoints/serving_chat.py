@@ -25,7 +25,7 @@ from gracelm.entrypoints.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from gracelm.entrypoints.serving_base import ServingBase, StreamTally, aborted_event, final_usage, sse_data
+from gracelm.entrypoints.serving_base import ServingBase, StreamTally, final_usage, sse_data
 
 
 class ServingChat(ServingBase):
@@ -66,7 +66,7 @@ class ServingChat(ServingBase):
     async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
                       n: int, top: int | None, include_usage: bool) -> AsyncGenerator[str]:
         """The SSE chunks of one request: a role chunk per choice, a chunk per delta of each choice, then
-        the usage chunk if asked and an error event if the server aborted it (`sse` adds `[DONE]`)."""
+        the usage chunk if asked and an error event if it was aborted or failed (`sse` adds `[DONE]`)."""
         created = int(time.time())
         tally = StreamTally(num_prompt_tokens)
         for index in range(n):
@@ -81,8 +81,9 @@ class ServingChat(ServingBase):
                 yield self._chunk(request_id, created, include_usage, choice)
         if include_usage:
             yield self._chunk(request_id, created, True, None, tally.usage())
-        if tally.aborted:
-            yield aborted_event()
+        event = tally.error_event(request_id)
+        if event is not None:
+            yield event
 
     def _chunk(self, request_id: str, created: int, include_usage: bool, choice: ChatChunkChoice | None,
                usage: Usage | None = None) -> str:

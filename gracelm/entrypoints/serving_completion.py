@@ -17,7 +17,7 @@ from gracelm.entrypoints.openai_protocol import (
     CompletionResponse,
     Usage,
 )
-from gracelm.entrypoints.serving_base import ServingBase, StreamTally, aborted_event, final_usage, sse_data
+from gracelm.entrypoints.serving_base import ServingBase, StreamTally, final_usage, sse_data
 
 
 class ServingCompletion(ServingBase):
@@ -67,8 +67,9 @@ class ServingCompletion(ServingBase):
                 yield self._chunk(request_id, created, include_usage, choice)
         if include_usage:
             yield self._chunk(request_id, created, True, None, tally.usage())
-        if tally.aborted:
-            yield aborted_event()
+        event = tally.error_event(request_id)
+        if event is not None:
+            yield event
 
     def _chunk(self, request_id: str, created: int, include_usage: bool, choice: CompletionChoice | None,
                usage: Usage | None = None) -> str:

@@ -5,7 +5,9 @@ loads), `test_step_sleep_s` (slow every step), `test_raise_after_steps`, `test_h
 `test_exit_after_steps` (raise, hang or `os._exit(5)` once that many steps have run), and
 `test_kv_snapshot_block_sleep_s` (a KV-cache snapshot writes each block that much slower, so that a test
 can kill the core half-way through a save). A tensor-parallel worker reads `test_worker_raise_after_steps` and
-`test_worker_hang_after_steps` (raise or hang once it has run that many steps). Children inherit the
+`test_worker_hang_after_steps` (raise or hang once it has run that many steps). The engine core's sampling
+reads `test_raise_in_sampling_for_seed`: it raises for the rows of requests with that seed, so that a test
+can show that only that request fails. Children inherit the
 variable, so a test sets it around the start of a server or an engine and the hooks reach the core without
 passing through any configuration.
 """

@@ -4,24 +4,33 @@ state.
 A step arrives as a `ModelStep` on rank 0 (its `StepBatch`, with tensor parallelism, sent as it is to the
 other ranks), becomes a `ForwardBatch` and runs through the model. Only rank 0 samples: the others run their
 shard of the forward pass and contribute to its collectives.
+
+Containment of sampling: the forward pass is the engine's (a fault there is fatal), but each row's sampling
+belongs to one request. When the batch's sampling raises, each row is sampled again alone, from the logits
+and generator states it had before the batch began (so a request that did nothing wrong gets the token it
+would have got), and only the rows that raise again become `SamplingFault`s: their requests end with an
+error. Keeping those logits costs one copy of the sampled rows' logits per step with more than one row.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import traceback
 
 import psutil
 import torch
 
 from gracelm.config import EngineConfig, ModelConfig, parse_size
+from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
-from gracelm.model_step import ModelStep, SampledToken, StepBatch
+from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch
 from gracelm.parallel.layout import check_shardable, shard_config
 from gracelm.parallel.sharding import TensorParallelModel
+from gracelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -97,18 +106,57 @@ class Worker:
         return model(ForwardBatch.from_step_batch(batch), self.kv_caches)
 
     @torch.inference_mode()
-    def sample_step(self, step: ModelStep) -> list[SampledToken]:
-        """Rank 0: runs the forward pass of the step and samples one token per row that samples."""
+    def sample_step(self, step: ModelStep) -> list[SampledToken | SamplingFault]:
+        """Rank 0: runs the forward pass of the step and samples one token per row that samples (or, for a
+        row whose sampling raised, a `SamplingFault`)."""
         logits = self.forward(step.batch)
         assert logits is not None
         if not step.request_ids:
             return []
         generators = [self._generator(request_id, params.seed)
                       for request_id, params in zip(step.request_ids, step.params, strict=True)]
-        meta = SamplingMetadata.build(step.params, generators, step.prompt_token_ids, step.output_token_ids,
+        rows = range(len(step.request_ids))
+        # The sampler overwrites float32 logits and advances generators: what a retry row by row starts from.
+        kept = (logits.clone(), [g.get_state() if g is not None else None for g in generators]) \
+            if len(rows) > 1 else None
+        try:
+            out = self._sample(logits, step, rows, generators)
+            return [self._sampled(out, row, step.params[row].logprobs) for row in rows]
+        except Exception:
+            if kept is None:
+                return [self._fault(step, 0)]
+            logger.warning("sampling a batch of %d rows raised; sampling each row alone", len(rows),
+                           exc_info=True)
+        original, states = kept
+        for generator, state in zip(generators, states, strict=True):
+            if generator is not None:
+                generator.set_state(state)
+        return [self._sample_alone(original, step, row, generators) for row in rows]
+
+    def _sample_alone(self, logits: torch.Tensor, step: ModelStep, row: int,
+                      generators: list[torch.Generator | None]) -> SampledToken | SamplingFault:
+        try:
+            out = self._sample(logits[row:row + 1], step, [row], generators)
+        except Exception:
+            return self._fault(step, row)
+        return self._sampled(out, 0, step.params[row].logprobs)
+
+    def _sample(self, logits: torch.Tensor, step: ModelStep, rows: range | list[int],
+                generators: list[torch.Generator | None]):
+        """Samples `rows` of the step, whose logits are `logits` (one row each, in that order)."""
+        params = [step.params[row] for row in rows]
+        _injected_fault(params)
+        meta = SamplingMetadata.build(params, [generators[row] for row in rows],
+                                      [step.prompt_token_ids[row] for row in rows],
+                                      [step.output_token_ids[row] for row in rows],
                                       self.model_config.vocab_size, default_generator=self._default_generator)
-        out = sample(logits, meta)
-        return [self._sampled(out, row, params.logprobs) for row, params in enumerate(step.params)]
+        return sample(logits, meta)
+
+    @staticmethod
+    def _fault(step: ModelStep, row: int) -> SamplingFault:
+        """Called in an `except` block: the row's request ends; the traceback goes to the log with its id."""
+        logger.exception("request %s: its sampling raised", step.request_ids[row])
+        return SamplingFault(traceback.format_exc(limit=0).strip().splitlines()[-1])
 
     def release_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -172,3 +220,10 @@ class Worker:
                 token.top_logprobs = out.top_logprobs[row, :num_logprobs].tolist()
         return token
 
+
+
+def _injected_fault(params: list[SamplingParams]) -> None:
+    """TEST-ONLY (`test_raise_in_sampling_for_seed`): sampling raises for rows of requests with that seed."""
+    seed = active_test_hooks().get("test_raise_in_sampling_for_seed")
+    if seed is not None and any(p.seed == seed for p in params):
+        raise RuntimeError(f"sampling failure injected by the test hook for seed {seed}")
