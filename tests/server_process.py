@@ -172,19 +172,21 @@ class Stream:
     """One streaming completion read in a thread of its own: `events` (the SSE data payloads, `[DONE]`
     included), `started` once the first token arrived, `ended_at` (monotonic) once it ended."""
 
-    def __init__(self, url: str, max_tokens: int, prompt: str = "the cat") -> None:
+    def __init__(self, url: str, max_tokens: int, prompt: str = "the cat",
+                 headers: dict[str, str | bytes] | None = None) -> None:
         self.events: list[str] = []
         self.error: BaseException | None = None
         self.ended_at: float | None = None
         self._first = threading.Event()
         body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
-        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(url, body, headers or {}), daemon=True)
         self._thread.start()
 
-    def _run(self, url: str, body: dict) -> None:
+    def _run(self, url: str, body: dict, headers: dict[str, str | bytes]) -> None:
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
+                              timeout=120) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         self.events.append(line[len("data: "):])
@@ -222,8 +224,9 @@ class Stream:
         return [p["error"] for p in self.payloads if "error" in p]
 
 
-def start_streams(url: str, count: int, max_tokens: int) -> list[Stream]:
-    streams = [Stream(url, max_tokens) for _ in range(count)]
+def start_streams(url: str, count: int, max_tokens: int,
+                  headers: dict[str, str | bytes] | None = None) -> list[Stream]:
+    streams = [Stream(url, max_tokens, headers=headers) for _ in range(count)]
     for stream in streams:
         stream.wait_started()
     return streams

@@ -68,6 +68,7 @@ class EngineCoreClient:
         self._call_ids = itertools.count()
         self._stop_wait = 0.0  # how long the core may take to exit on its own once its stop begins
         self.stop_requested = False
+        self.stop_deadline: float | None = None  # time.monotonic() of the drain's deadline, once asked
         self._released = False
         args = (config, self.runtime_dir.ipc_address("input.sock"),
                 self.runtime_dir.ipc_address("output.sock"), str(heartbeat.path),
@@ -144,6 +145,8 @@ class EngineCoreClient:
         """Asks the core to finish its requests within `timeout` s, then abort the rest and exit; a later
         call may only shorten the deadline. Returns at once; the core's outputs keep coming meanwhile."""
         self.stop_requested = True
+        deadline = time.monotonic() + timeout
+        self.stop_deadline = deadline if self.stop_deadline is None else min(self.stop_deadline, deadline)
         self.monitor.record_stop_requested()
         self.monitor.set_busy(True)  # progress is due: the drain, then the exit
         self._stop_wait = max(self._stop_wait, timeout + _EXIT_GRACE_S)

@@ -24,7 +24,7 @@ from typing import Any
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.engine.core_client import EngineCoreClient
 from gracelm.engine.errors import EngineDeadError
-from gracelm.engine.output_processor import OutputProcessor
+from gracelm.engine.output_processor import OpenRequest, OutputProcessor
 from gracelm.engine.request import check_prompt
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.process_end import ProcessEnd
@@ -125,6 +125,16 @@ class EngineFrontend:
         assert self.config.max_model_len is not None
         check_prompt(ids, self.config.max_model_len, self.model_config.vocab_size)
         return text, ids
+
+    def open_requests(self) -> list[OpenRequest]:
+        """A snapshot of the requests in flight, oldest first (read it from the thread or loop that runs
+        the requests)."""
+        return self._processor.open_requests()
+
+    @property
+    def stop_deadline(self) -> float | None:
+        """When (`time.monotonic()`) the core's drain aborts what is left; None before a stop begins."""
+        return self._client.stop_deadline
 
     @property
     def request_faults(self) -> dict[str, int]:

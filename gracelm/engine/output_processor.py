@@ -46,6 +46,7 @@ class _Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     moved: bool = False
+    num_generated: int = 0  # every token so far, for the progress of `open_requests`
 
     def take_delta(self) -> CompletionOutput:
         delta = CompletionOutput(
@@ -64,6 +65,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     completions: list[_Completion]
     metrics: RequestMetrics
+    max_tokens: int | None
 
     @property
     def finished(self) -> bool:
@@ -73,6 +75,19 @@ class _RequestState:
         moved = [c.take_delta() for c in self.completions if c.moved]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, moved, self.finished,
                              self.metrics)
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    """A read-only view of one request in flight: its progress, all `n` completions together."""
+
+    request_id: str
+    arrival_time: float  # wall clock
+    first_token_time: float | None  # None while it waits for its first token (queued or in prefill)
+    num_prompt_tokens: int
+    n: int
+    num_generated: int
+    max_tokens: int | None  # per completion; None: up to the model's context
 
 
 @dataclass
@@ -98,7 +113,8 @@ class OutputProcessor:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
-        state = _RequestState(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival))
+        state = _RequestState(request_id, prompt, prompt_token_ids, [], RequestMetrics(arrival),
+                              params.max_tokens)
         adds = []
         stops = StopStrings(params.stop)  # one automaton for the n completions
         for index in range(params.n):
@@ -143,6 +159,13 @@ class OutputProcessor:
                 del self._requests[state.request_id]
         return ProcessedOutputs([state.take_delta() for state in moved.values()], to_abort)
 
+    def open_requests(self) -> list[OpenRequest]:
+        """The requests in flight, oldest first."""
+        return [OpenRequest(s.request_id, s.metrics.arrival_time, s.metrics.first_token_time,
+                            len(s.prompt_token_ids), len(s.completions),
+                            sum(c.num_generated for c in s.completions), s.max_tokens)
+                for s in self._requests.values()]
+
     def abort(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
         """Finishes every unfinished completion of the request with "abort"; returns its last delta and the
         core ids to abort (None and [] for a request no longer tracked)."""
@@ -180,6 +203,7 @@ class OutputProcessor:
             self._finish(completion, out.finish_reason or "abort")
             return False
         completion.token_ids.append(out.token_id)
+        completion.num_generated += 1
         if out.logprob is not None:
             self._add_logprobs(completion, out)
         # A "stop" from the core is always a stop token (EOS or stop_token_ids): it adds no text.

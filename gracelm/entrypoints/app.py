@@ -48,6 +48,7 @@ from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.entrypoints.serving_chat import ServingChat
 from gracelm.entrypoints.serving_completion import ServingCompletion
 from gracelm.entrypoints.stats_logger import log_stats_forever
+from gracelm.entrypoints.status_page import status_router
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.server_state import Lifecycle, ServerState
 
@@ -133,6 +134,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
         return await completion.create(await _parse(raw_request, CompletionRequest), raw_request)
 
     app.include_router(v1)
+    app.include_router(status_router(engine, settings, state, metrics, model_name))
     return app
 
 

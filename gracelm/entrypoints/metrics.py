@@ -13,6 +13,8 @@ import shutil
 import time
 from pathlib import Path
 
+from gracelm.entrypoints.throughput_history import ThroughputHistory
+
 _ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0)
@@ -42,6 +44,7 @@ class ServerMetrics:
         self._core_states = core_states
         # Plain running totals of this process, for the periodic stats log line's throughput.
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.throughput = ThroughputHistory()  # the status page's chart
 
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
             return Gauge(name, doc, [*label, *extra], registry=None, multiprocess_mode="mostrecent")
@@ -166,6 +169,7 @@ class RequestTracker:
             self._m.itl.labels(**self._label).observe(now - self._last)
         self._m.generation_tokens.labels(**self._label).inc(num_new)
         self._m.totals["generation_tokens"] += num_new
+        self._m.throughput.add(num_new)
         self._last = now
 
     def on_finish(self, finish_reasons: list[str | None]) -> None:
