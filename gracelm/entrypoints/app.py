@@ -24,6 +24,7 @@ from gracelm.engine.errors import EngineDeadError
 from gracelm.entrypoints.api_errors import APIError, from_validation_error, install_error_handlers
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -123,12 +124,12 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
         card = ModelCard(id=model_name, max_model_len=engine.config.max_model_len)
         return ModelList(data=[card]).model_dump()
 
-    @v1.post("/chat/completions", responses=generation(ChatCompletionResponse),
+    @v1.post("/chat/completions", responses=generation(ChatCompletionResponse, ChatCompletionChunk),
              openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(raw_request: Request) -> Response:
         return await chat.create(await _parse(raw_request, ChatCompletionRequest), raw_request)
 
-    @v1.post("/completions", responses=generation(CompletionResponse),
+    @v1.post("/completions", responses=generation(CompletionResponse, CompletionResponse),
              openapi_extra=json_body(CompletionRequest))
     async def completions(raw_request: Request) -> Response:
         return await completion.create(await _parse(raw_request, CompletionRequest), raw_request)

@@ -1,7 +1,9 @@
 """OpenAI's request and response shapes (chat completions, completions, models, errors) as pydantic models.
 
 Requests accept OpenAI's fields plus vLLM's extra sampling fields; unknown fields are ignored, as vLLM does,
-so that clients sending newer OpenAI options still get an answer.
+so that clients sending newer OpenAI options still get an answer. Known fields are typed strictly, as OpenAI
+types them (`"n": "2"`, `"max_tokens": 16.0` or `"logprobs": 1` are refused, not coerced), so that a body is
+valid exactly when the published JSON schema says so.
 """
 
 from __future__ import annotations
@@ -23,14 +25,20 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# Request models: strict types, unknown fields ignored (see above).
+_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = _REQUEST_CONFIG
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields both endpoints share; range checks are left to `SamplingParams`, which names the field."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     model: str | None = None
     n: int = 1
@@ -57,7 +65,7 @@ class SamplingFields(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None

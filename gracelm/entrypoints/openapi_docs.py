@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode
 
 from gracelm.entrypoints.openai_protocol import ErrorResponse
 
@@ -65,37 +66,55 @@ def probe(model: type[BaseModel], unhealthy: str) -> dict[int | str, dict[str, A
     return {200: {"model": model}, 503: {"model": model, "description": unhealthy}, **errors(500)}
 
 
-def generation(answer: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The `responses=` of a generation route: `answer` as JSON, or SSE chunks when `stream` is true."""
-    ok = {"model": answer, "description": "The answer; with `stream: true`, server-sent events of chunks, "
-                                          "then `data: [DONE]`.",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+def generation(answer: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a generation route: `answer` as JSON, or with `stream: true` server-sent events
+    whose data are `chunk`s, an error body if the request did not end well, then `[DONE]`."""
+    payload = {"anyOf": [_schema(chunk, "serialization"), _schema(ErrorResponse, "serialization")]}
+    data = {"type": "string", "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json", "contentSchema": payload}}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    ok = {"model": answer, "content": {"text/event-stream": {"schema": event}},
+          "description": "The answer; with `stream: true`, server-sent events: the chunks, an error body if "
+                         "the request did not end well, then `[DONE]`."}
     return {200: ok, **errors(400, 401, 404, 413, 415, 500, 503)}
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """The `openapi_extra=` of a route that parses `model` from its JSON body itself. The nested models'
     schemas go to the schema's components when the app's schema is built (`install_openapi`)."""
-    schema = model.model_json_schema(ref_template=_REF_TEMPLATE)
+    schema = _schema(model, "validation")
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
+def _schema(model: type[BaseModel], mode: JsonSchemaMode) -> dict[str, Any]:
+    """`model`'s JSON schema with its nested models as `$defs` that refer to the components (`install_openapi`
+    moves them there)."""
+    return model.model_json_schema(ref_template=_REF_TEMPLATE, mode=mode)
+
+
 def install_openapi(app: FastAPI) -> None:
-    """Makes the app's OpenAPI schema keep the models nested in `json_body` bodies in its components, where
-    their references point."""
+    """Makes the app's OpenAPI schema keep the models nested in the schemas of `json_body` and `generation`
+    in its components, where their references point."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = build()
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path in schema["paths"].values():
-                for operation in path.values():
-                    content = operation.get("requestBody", {}).get("content", {})
-                    for media in content.values():
-                        media["schema"] = dict(media["schema"])  # the route's own dict stays whole
-                        components.update(media["schema"].pop("$defs", {}))
+            _move_defs(schema["paths"], schema.setdefault("components", {}).setdefault("schemas", {}))
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
+
+
+def _move_defs(node: Any, components: dict[str, Any]) -> None:
+    """Moves every `$defs` under `node` to `components`; a model FastAPI documented already keeps FastAPI's
+    schema (the same model)."""
+    if isinstance(node, list):
+        for item in node:
+            _move_defs(item, components)
+    elif isinstance(node, dict):
+        for name, definition in node.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        for value in node.values():
+            _move_defs(value, components)
