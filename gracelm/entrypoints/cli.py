@@ -1,5 +1,6 @@
-"""The `gracelm` command: `gracelm serve ...` (the HTTP server) and `gracelm generate ...` (one prompt,
-streamed to stdout). The engine's options come from `EngineConfig` and the server's from `ServerConfig`,
+"""The `gracelm` command: `gracelm serve ...` (the HTTP server), `gracelm generate ...` (one prompt,
+streamed to stdout) and `gracelm deploy systemd|kubernetes ...` (a unit or manifests for `serve` with the
+same options, printed). The engine's options come from `EngineConfig` and the server's from `ServerConfig`,
 each declared once (`gracelm.options`); a bad value is a usage error (exit code 2) before anything starts.
 """
 
@@ -95,19 +96,51 @@ def _merge_model_argument(args: argparse.Namespace) -> None:
     args.model = positional
 
 
+def run_deploy(args: argparse.Namespace) -> int:
+    """Prints the unit or the manifests; a value that cannot be deployed is a usage error."""
+    from gracelm.entrypoints.deploy import render
+
+    try:
+        _merge_model_argument(args)
+        text = render(args.target, args)
+    except ValueError as exc:
+        print(f"gracelm deploy {args.target}: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    sys.stdout.write(text)
+    return ExitCode.CLEAN_STOP
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                        help="a Hugging Face model directory or a .gguf file (same as --model)")
+    options.add_arguments(parser.add_argument_group("model and engine"), EngineConfig)
+    options.add_arguments(parser.add_argument_group("HTTP server"), ServerConfig)
+
+
+def _add_deploy_parsers(commands: argparse._SubParsersAction) -> None:
+    from gracelm.entrypoints.deploy_config import TARGETS
+
+    deploy = commands.add_parser("deploy", help="print a systemd unit or Kubernetes manifests for `serve`")
+    targets = deploy.add_subparsers(dest="target", required=True)
+    for target, config in TARGETS.items():
+        parser = targets.add_parser(target, help=f"print the {target} files for `gracelm serve` with these "
+                                                 f"options")
+        _add_serve_arguments(parser)
+        options.add_arguments(parser.add_argument_group(f"{target} deployment"), config)
+        parser.set_defaults(handler=run_deploy)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gracelm", description="An LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                       help="a Hugging Face model directory or a .gguf file (same as --model)")
-    options.add_arguments(serve.add_argument_group("model and engine"), EngineConfig)
-    options.add_arguments(serve.add_argument_group("HTTP server"), ServerConfig)
+    _add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)
     generate = commands.add_parser("generate", help="generate from one prompt, streamed to stdout")
     options.add_arguments(generate.add_argument_group("model and engine"), EngineConfig)
     _add_generate_arguments(generate)
     generate.set_defaults(handler=run_generate)
+    _add_deploy_parsers(commands)
     return parser
 
 
