@@ -28,7 +28,7 @@ SERVE_OPTIONS = ["/srv/models/tiny model.gguf", "--port", "9000", "--drain-grace
                  "--shutdown-timeout", "45", "--engine-hang-timeout", "20",
                  "--kv-cache-dir", "/var/lib/gracelm/kv",
                  "--kv-cache-dir-size", "1GiB", "--shutdown-report", "/var/log/gracelm/report.json",
-                 "--max-num-seqs", "8", "--enable-prefix-caching"]
+                 "--max-num-seqs", "8", "--enable-prefix-caching", "--state-dir", "/var/lib/gracelm/state"]
 
 
 def deploy(*args: str) -> subprocess.CompletedProcess:
@@ -113,7 +113,7 @@ def test_kubernetes_objects_validate_and_their_numbers_come_from_the_flags(args)
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts["/var/lib/gracelm/kv"]]["emptyDir"]["sizeLimit"] == str(1 << 30)
-    assert "/var/log/gracelm" in mounts
+    assert "/var/log/gracelm" in mounts and "/var/lib/gracelm/state" in mounts
 
 
 def test_systemd_unit_parses_its_times_agree_with_the_flags_and_systemd_analyze_verifies_it(tmp_path):
@@ -132,7 +132,8 @@ def test_systemd_unit_parses_its_times_agree_with_the_flags_and_systemd_analyze_
     assert single["Restart"] == "on-failure" and single["RestartPreventExitStatus"] == "2 3"
     assert single["NoNewPrivileges"] == "yes" and single["ProtectSystem"] == "strict"
     assert single["PrivateTmp"] == "yes" and single["RuntimeDirectory"] == "gracelm"
-    assert service["ReadWritePaths"] == ["/var/lib/gracelm/kv", "/var/log/gracelm"]
+    assert service["ReadWritePaths"] == ["/var/lib/gracelm/state", "/var/lib/gracelm/kv", "/var/log/gracelm"]
+    assert server.state_dir == "/var/lib/gracelm/state"
     assert "XDG_RUNTIME_DIR=%t/gracelm" in service["Environment"]
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not on this machine")
@@ -154,6 +155,7 @@ def test_the_hang_path_off_leaves_systemds_watchdog_alone_in_charge():
     (["kubernetes", "--port", "0"], "--port 0"),
     (["systemd", "--kv-cache-dir", "kv"], "--kv-cache-dir 'kv' must be an absolute path"),
     (["systemd", "relative/model"], "--model 'relative/model' must be an absolute path"),
+    (["kubernetes", "--state-dir", "state"], "--state-dir 'state' must be an absolute path"),
     (["kubernetes", "--memory", "lots"], "memory is not a Kubernetes quantity"),
     (["systemd", "--shutdown-timeout", "-1"], "shutdown_timeout must be at least 0"),
     (["kubernetes", "--nnodes", "2", "--dist-init-addr", "h:1"], "--nnodes > 1"),

@@ -69,10 +69,11 @@ def render(target: str, args: argparse.Namespace) -> str:
         template = environment.from_string(SYSTEMD)
         words = [f"{_systemd_word(deploy.exec_path)} serve", *(_systemd_word(w) for w in flags)]
         context |= {"exec_start": " \\\n    ".join(words),
-                    "writable": _writable_paths(engine)}
+                    "writable": _writable_paths(engine, server)}
     else:
         template = environment.from_string(KUBERNETES)
-        context |= {"writable": [(f"writable-{i}", path) for i, path in enumerate(_writable_paths(engine))],
+        writable = _writable_paths(engine, server)
+        context |= {"writable": [(f"writable-{i}", path) for i, path in enumerate(writable)],
                     "kv_cache_dir_bytes": parse_size(engine.kv_cache_dir_size)}
     return template.render(context)
 
@@ -100,8 +101,9 @@ def _refuse(target: str, given: dict, engine: EngineConfig, server: ServerConfig
                          "the unit's EnvironmentFile; Kubernetes: the Secret's key api-key)")
     if engine.nnodes > 1:
         raise ValueError("--nnodes > 1: a deployment over several machines is not generated")
-    for name in ("model", "kv_cache_dir", "shutdown_report"):
-        path = getattr(engine, name)
+    paths = {"model": engine.model, "kv_cache_dir": engine.kv_cache_dir,
+             "shutdown_report": engine.shutdown_report, "state_dir": server.state_dir}
+    for name, path in paths.items():
         if path is not None and not posixpath.isabs(path):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} {path!r} must be an absolute path: the service does not run in this "
@@ -141,9 +143,9 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
-def _writable_paths(engine: EngineConfig) -> list[str]:
+def _writable_paths(engine: EngineConfig, server: ServerConfig) -> list[str]:
     """Directories the server writes outside its runtime and cache directories."""
-    paths = []
+    paths = [server.state_dir] if server.state_dir is not None else []
     if engine.kv_cache_dir is not None:
         paths.append(engine.kv_cache_dir)
     if engine.shutdown_report is not None:

@@ -47,7 +47,7 @@ Environment=XDG_RUNTIME_DIR=%t/{{ deploy.name }}
 CacheDirectory=gracelm
 Environment=GRACELM_CACHE_DIR=%C/gracelm
 {% for path in writable %}
-# Written by --kv-cache-dir or --shutdown-report: must exist and belong to {{ deploy.user }}.
+# Written by --state-dir, --kv-cache-dir or --shutdown-report: must exist and belong to {{ deploy.user }}.
 ReadWritePaths={{ path }}
 {% endfor %}
 # GRACELM_API_KEY=... goes here: a key stays out of the unit and of the process list.
@@ -185,8 +185,8 @@ spec:
         - name: cache
           emptyDir: {}
 {% for volume, path in writable %}
-        # Written by --kv-cache-dir or --shutdown-report; kept across restarts of the container, not of the
-        # pod (mount a PersistentVolume here to keep it longer).
+        # Written by --state-dir, --kv-cache-dir or --shutdown-report; kept across restarts of the container,
+        # not of the pod (mount a PersistentVolume here to keep it longer).
         - name: {{ volume }}
           emptyDir:
 {% if path == engine.kv_cache_dir %}
