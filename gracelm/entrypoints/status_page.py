@@ -18,8 +18,8 @@ Both routes are left out of the OpenAPI schema: they describe the server, not th
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import contextlib
 import hashlib
 import hmac
 import importlib.resources
@@ -43,6 +43,8 @@ from gracelm.lifecycle.server_state import Lifecycle, ServerState
 
 # The page lists this many requests in flight (oldest first) and counts the rest.
 MAX_LISTED_REQUESTS = 50
+# How long /status.json waits for the core's figures: a stuck core must not stall the page that shows it.
+STATS_WAIT_S = 2.0
 
 _KEY_IN_QUERY = re.compile(r"([?&]key=)[^&\s\"]*")
 
@@ -52,6 +54,7 @@ def status_router(engine: AsyncEngine, settings: ServerConfig, state: ServerStat
     """The two routes; the last stop's record is read now, before this run's stop replaces it."""
     last_shutdown = load_last_shutdown(settings.state_dir)
     page = _Page.load()
+    engine_stats = _EngineStats(engine)
     router = APIRouter()
     json_deps = [Depends(api_key_dependency(settings.api_key))] if settings.api_key else []
     if settings.api_key:
@@ -65,20 +68,39 @@ def status_router(engine: AsyncEngine, settings: ServerConfig, state: ServerStat
 
     @router.get("/status.json", include_in_schema=False, dependencies=json_deps)
     async def status_json() -> JSONResponse:
-        body = await _snapshot(engine, settings, state, metrics, model_name, last_shutdown)
+        stats = await engine_stats.get()
+        body = _snapshot(engine, stats, settings, state, metrics, model_name, last_shutdown)
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     return router
 
 
-async def _snapshot(engine: AsyncEngine, settings: ServerConfig, state: ServerState, metrics: ServerMetrics,
-                    model_name: str, last_shutdown: dict[str, Any] | None) -> dict[str, Any]:
+class _EngineStats:
+    """The core's figures (the `stats` utility call), one call at a time, each waited for at most
+    `STATS_WAIT_S`: a call that takes longer goes on (the core's monitor counts it as work due, so a
+    frozen core is still found hung) and the next poll waits on it instead of sending another."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._call: asyncio.Future | None = None
+
+    async def get(self) -> dict | None:
+        """None when the core is gone, ends meanwhile, or has not answered in time."""
+        if not self._engine.is_running:
+            return None
+        if self._call is None or self._call.done():
+            self._call = asyncio.ensure_future(self._engine.stats())
+            # Its end is read here, so that a failure nobody waits for any more is not reported as lost.
+            self._call.add_done_callback(lambda call: call.cancelled() or call.exception())
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._call), STATS_WAIT_S)
+        except (TimeoutError, EngineDeadError):
+            return None
+
+
+def _snapshot(engine: AsyncEngine, stats: dict | None, settings: ServerConfig, state: ServerState,
+              metrics: ServerMetrics, model_name: str, last_shutdown: dict | None) -> dict[str, Any]:
     now, clock = time.time(), time.monotonic()
-    stats = None
-    if engine.is_running:
-        # The engine may end while we ask: the page then shows the state without the core's figures.
-        with contextlib.suppress(EngineDeadError):
-            stats = await engine.stats()
     open_requests = engine.open_requests()
     started = state.entered[Lifecycle.STARTING.value]
     return {
