@@ -170,6 +170,7 @@ def test_json_shows_requests_in_flight_kv_use_and_prefix_hits(server, model):
     streams = start_streams(server.url, 3, max_tokens=150, headers=AUTH)
     body = status(server)
     assert body["state"] == "ready" and body["drain"] is None
+    assert body["keeps_last_shutdown"] and body["last_shutdown"] is None  # a fresh state directory
     assert body["model"] == {"name": Path(model).name, "max_model_len": 512}
     assert body["uptime_s"] > 0
     listed = body["requests"]["listed"]
@@ -197,6 +198,7 @@ def test_chromium_shows_the_ready_state(server, model):
     assert dom_text(dom, "state") == "ready"
     assert dom_text(dom, "model").startswith(Path(model).name)
     assert dom_text(dom, "running") == "0"
+    assert dom_text(dom, "last-summary") == "none recorded yet in the state directory"
 
 
 @needs_chromium

@@ -122,6 +122,7 @@ def _snapshot(engine: AsyncEngine, stats: dict | None, settings: ServerConfig, s
                        "tokens_per_s": metrics.throughput.tokens_per_s()},
         "drain": _drain_view(state, engine, settings.drain_grace_period, now, clock),
         "last_shutdown": last_shutdown,
+        "keeps_last_shutdown": settings.state_dir is not None,
     }
 
 
