@@ -13,13 +13,21 @@ the others' collectives fail at once.
 from __future__ import annotations
 
 import datetime
+import logging
+import os
+import socket
 
+import psutil
 import torch.distributed as dist
 
 from gracelm.config import EngineConfig
 from gracelm.parallel.layout import LayoutError
 
+logger = logging.getLogger(__name__)
+
 BACKEND = "gloo"
+# Which network interface gloo uses; when unset, the one that reaches the rendezvous host.
+_GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
 # Long enough for the slowest legitimate step; the core monitor's hang timeout is the finer net.
 COLLECTIVE_TIMEOUT_S = 60.0
 # How long workers and rank 0 wait for each other at start-up (the other node may start later).
@@ -45,7 +53,14 @@ def create_store(host: str, port: int, rank: int, world_size: int) -> dist.TCPSt
                          timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False)
 
 
-def init_process_group(store: dist.Store, rank: int, world_size: int) -> None:
+def init_process_group(store: dist.TCPStore, rank: int, world_size: int) -> None:
+    # Unasked, gloo takes the address the machine's hostname resolves to, often 127.0.1.1 (Debian's
+    # /etc/hosts): a rank on another host would then be told to connect to its own loopback.
+    if _GLOO_INTERFACE_ENV not in os.environ:
+        interface = _interface_towards(store.host, store.port)
+        if interface is not None:
+            logger.info("rank %d: gloo on %s, the interface that reaches %s", rank, interface, store.host)
+            os.environ[_GLOO_INTERFACE_ENV] = interface
     dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
@@ -58,3 +73,14 @@ def destroy_process_group() -> None:
 def channel_key(rank: int) -> str:
     """The store key under which rank 0 publishes the address of worker `rank`'s step channel."""
     return f"gracelm/step-channel/{rank}"
+
+
+def _interface_towards(host: str, port: int) -> str | None:
+    """The name of the network interface this machine sends to `host` from (None if no interface has the
+    address the route picks)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)  # a UDP connect sends nothing: it only chooses the route and source address
+        local = probe.getsockname()[0]
+    return next((name for name, addresses in psutil.net_if_addrs().items()
+                 if any(a.address.split("%")[0] == local for a in addresses)), None)
