@@ -24,7 +24,7 @@ import pytest
 
 from gracelm.entrypoints.throughput_history import ThroughputHistory
 from gracelm.lifecycle.last_shutdown import FILE_NAME, load_last_shutdown, writable_dir_problem
-from tests.server_process import ServerProcess, start_streams
+from tests.server_process import GRACELM, ServerProcess, start_streams
 from tests.tiny_models import tiny_model
 
 CHROMIUM = "/usr/bin/chromium"
@@ -249,6 +249,20 @@ def test_a_restart_shows_the_last_shutdown_and_needs_no_key_without_one(model, s
         assert timeline and timeline.group(0).count("<rect") >= len(previous["report"]["resources"])
         screenshot(page_url(server, None), screenshot_dir / "status-ready.png")
     assert load_last_shutdown(str(state_dir))["pid"] == server.pid
+
+
+def test_a_failed_start_is_kept_and_an_unusable_state_dir_refused(tmp_path):
+    state_dir = tmp_path / "state"
+    failed = subprocess.run([str(GRACELM), "serve", str(tmp_path / "no-such-model"), "--port", "0",
+                             "--state-dir", str(state_dir)], capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 3, failed.stderr[-3000:]
+    record = load_last_shutdown(str(state_dir))
+    assert record is not None and record["exit_code"] == 3 and "running" not in record["entered"]
+
+    (tmp_path / "file").write_text("")
+    refused = subprocess.run([str(GRACELM), "serve", "--state-dir", str(tmp_path / "file" / "state")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "state_dir must be a directory" in refused.stderr
 
 
 # -- the parts --------------------------------------------------------------------------------------------
