@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 
 from fastapi import Request
+from fastapi.security import HTTPBearer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gracelm.entrypoints.api_errors import APIError
@@ -59,16 +60,25 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def api_key_dependency(api_key: str):
-    """A FastAPI dependency demanding `Authorization: Bearer <api_key>`, compared in constant time as UTF-8
-    bytes: the server reads headers as latin-1 (HTTP's own rule), so the header's original bytes are those
-    of its latin-1 text, and a non-ASCII key sent as UTF-8 matches."""
-    expected = api_key.encode("utf-8")
+def api_key_dependency(api_key: str) -> APIKeyBearer:
+    """A FastAPI dependency demanding `Authorization: Bearer <api_key>` (see `APIKeyBearer`)."""
+    return APIKeyBearer(api_key)
 
-    async def verify(request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), expected):
+
+class APIKeyBearer(HTTPBearer):
+    """Demands `Authorization: Bearer <api_key>`, compared in constant time as UTF-8 bytes: the server reads
+    headers as latin-1 (HTTP's own rule), so the header's original bytes are those of its latin-1 text, and
+    a non-ASCII key sent as UTF-8 matches. A FastAPI security scheme, so that the OpenAPI schema declares it
+    on the routes that need it; a missing or malformed header is our 401 with OpenAI's body, not FastAPI's."""
+
+    def __init__(self, api_key: str) -> None:
+        super().__init__(scheme_name="APIKey", description="The server's API key (`--api-key`).",
+                         auto_error=False)
+        self._expected = api_key.encode("utf-8")
+
+    async def __call__(self, request: Request) -> None:  # type: ignore[override]  # checks, returns nothing
+        credentials = await super().__call__(request)
+        token = credentials.credentials.strip().encode("latin-1") if credentials is not None else None
+        if token is None or not hmac.compare_digest(token, self._expected):
             raise APIError(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    return verify
