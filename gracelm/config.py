@@ -156,6 +156,8 @@ class EngineConfig:
     node_rank: int = option(0, "this machine's rank", check=at_least(0))
     dist_init_addr: str | None = option(None, "HOST:PORT of the torch.distributed rendezvous (needed when "
                                               "nnodes > 1)")
+    dist_timeout: float = option(60.0, "seconds a tensor-parallel collective waits for the other ranks "
+                                       "before the step fails (a stuck rank, a cut link)", check=at_least(1))
 
     def __post_init__(self) -> None:
         validate(self)

@@ -28,8 +28,6 @@ logger = logging.getLogger(__name__)
 BACKEND = "gloo"
 # Which network interface gloo uses; when unset, the one that reaches the rendezvous host.
 _GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
-# Long enough for the slowest legitimate step; the core monitor's hang timeout is the finer net.
-COLLECTIVE_TIMEOUT_S = 60.0
 # How long workers and rank 0 wait for each other at start-up (the other node may start later).
 RENDEZVOUS_TIMEOUT_S = 120.0
 _LOCAL_HOST = "127.0.0.1"
@@ -53,7 +51,9 @@ def create_store(host: str, port: int, rank: int, world_size: int) -> dist.TCPSt
                          timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S), wait_for_workers=False)
 
 
-def init_process_group(store: dist.TCPStore, rank: int, world_size: int) -> None:
+def init_process_group(store: dist.TCPStore, rank: int, world_size: int, timeout: float) -> None:
+    """Joins the gloo group; each collective fails after `timeout` s without its peers (`--dist-timeout`:
+    long enough for the slowest legitimate step; the core monitor's hang timeout is the finer net)."""
     # Unasked, gloo takes the address the machine's hostname resolves to, often 127.0.1.1 (Debian's
     # /etc/hosts): a rank on another host would then be told to connect to its own loopback.
     if _GLOO_INTERFACE_ENV not in os.environ:
@@ -62,7 +62,7 @@ def init_process_group(store: dist.TCPStore, rank: int, world_size: int) -> None
             logger.info("rank %d: gloo on %s, the interface that reaches %s", rank, interface, store.host)
             os.environ[_GLOO_INTERFACE_ENV] = interface
     dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeout))
 
 
 def destroy_process_group() -> None:

@@ -75,7 +75,7 @@ class Executor:
         self._install_interrupt()
         self._group = WorkerGroup(self.config, self.layout, self.ledger, self._on_worker_death)
         self._group.wait_hellos(RENDEZVOUS_TIMEOUT_S)
-        init_process_group(self._group.store, 0, world)
+        init_process_group(self._group.store, 0, world, self.config.dist_timeout)
         self.ledger.acquire(ResourceKind.PROCESS_GROUP, f"{BACKEND} rank 0/{world}", destroy_process_group)
 
     def load_model(self) -> LoadedModel:

@@ -30,9 +30,10 @@ from gracelm.parallel.layout import Layout
 
 logger = logging.getLogger(__name__)
 
-# A peer that answers no ZMTP heartbeat for this long is gone, even if its connection was never closed.
-_HEARTBEAT_IVL_MS = 500
-_HEARTBEAT_TIMEOUT_MS = 1500
+# A peer that answers no ZMTP heartbeat for this long is gone, even if its connection was never closed
+# (both ends of a step channel use them).
+HEARTBEAT_IVL_MS = 500
+HEARTBEAT_TIMEOUT_MS = 1500
 _SEND_RETRY_MS = 50
 # A stop message, the worker's teardown and its report.
 WORKER_STOP_TIMEOUT_S = 10.0
@@ -84,8 +85,8 @@ class WorkerGroup:
     def _open_channel(self, rank: int, host: str) -> None:
         channel = self.context.socket(zmq.DEALER)
         channel.setsockopt(zmq.LINGER, 0)
-        channel.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-        channel.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        channel.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        channel.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         port = channel.bind_to_random_port(f"tcp://{host}")
         self.channels[rank] = channel
         self.monitors[rank] = channel.get_monitor_socket(zmq.EVENT_DISCONNECTED)

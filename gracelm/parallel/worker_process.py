@@ -38,6 +38,7 @@ from gracelm.parallel.distributed import (
 from gracelm.parallel.kv_shard import restore_shard, save_shard
 from gracelm.parallel.sharding import CommTimer
 from gracelm.parallel.worker import Worker
+from gracelm.parallel.worker_group import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ class WorkerProcess:
         self.context = zmq.Context()
         self.channel = self.context.socket(zmq.DEALER)
         self.channel.setsockopt(zmq.LINGER, _FINAL_SEND_LINGER_MS)
+        # Rank 0 unreachable (its node vanished, the link is cut) closes no connection: heartbeats tell.
+        self.channel.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.channel.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.address = ""  # rank 0's end of the step channel, once known
         self.poller = zmq.Poller()
         self.monitor: zmq.Socket | None = None
         self.timer: CommTimer | None = None  # the shard's collective time, kept past the model's release
@@ -92,13 +97,13 @@ class WorkerProcess:
 
     def _start(self, store_host: str, store_port: int) -> None:
         store = create_store(store_host, store_port, self.rank, self.world_size)
-        address = store.get(channel_key(self.rank)).decode()
-        self.channel.connect(address)
+        self.address = store.get(channel_key(self.rank)).decode()
+        self.channel.connect(self.address)
         self.monitor = self.channel.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.poller.register(self.channel, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self._send(m.Hello(self.rank, os.getpid(), socket.gethostname()))
-        init_process_group(store, self.rank, self.world_size)
+        init_process_group(store, self.rank, self.world_size, self.worker.config.dist_timeout)
         self.ledger.acquire(ResourceKind.PROCESS_GROUP, f"{BACKEND} rank {self.rank}/{self.world_size}",
                             destroy_process_group)
         loaded = self.worker.load_model()
@@ -113,7 +118,7 @@ class WorkerProcess:
             message = self._receive()
             if isinstance(message, m.StepBatch):
                 self.receive_s += max(0.0, time.time() - message.sent_at)
-                self.worker.forward(message)
+                self._forward(message)
                 self.steps += 1
                 self._test_hooks()
             elif isinstance(message, m.InitKVCache):
@@ -139,12 +144,28 @@ class WorkerProcess:
             while True:
                 time.sleep(3600)
 
+    def _forward(self, batch: m.StepBatch) -> None:
+        try:
+            self.worker.forward(batch)
+        except RuntimeError as e:  # a collective failed: if rank 0 is gone, that is the news to report
+            if self._rank_zero_lost(HEARTBEAT_TIMEOUT_MS):
+                raise self._lost_error() from e
+            raise
+
+    def _rank_zero_lost(self, wait_ms: int) -> bool:
+        """The step channel's disconnection, seen within `wait_ms` (0: only if already known)."""
+        assert self.monitor is not None
+        return bool(self.monitor.poll(wait_ms))
+
+    def _lost_error(self) -> RankZeroLostError:
+        return RankZeroLostError(f"rank {self.rank}: lost rank 0 at {self.address}: the step channel "
+                                 f"disconnected (the engine core is gone or its node is unreachable)")
+
     def _receive(self) -> m.ToWorker:
         events = dict(self.poller.poll())
         if self.channel in events:
             return m.decode_to_worker(self.channel.recv(copy=False).buffer)
-        raise RankZeroLostError(f"rank {self.rank}: the step channel to rank 0 disconnected (the engine core "
-                                f"is gone)")
+        raise self._lost_error()
 
     def _send(self, message: m.FromWorker) -> None:
         try:
