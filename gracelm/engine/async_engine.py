@@ -166,15 +166,22 @@ class AsyncEngine(EngineFrontend):
         self._client.monitor.set_waker(lambda: _wake(loop, ref))
 
     def _read_inbox(self) -> None:
+        """Handles one message, and comes back for the next after whatever else the loop has to do: when
+        the core's steps come faster than their outputs are handled here, the backlog must not hold the loop
+        (`/health` included) for the time of all of it, only for one step's outputs at a time."""
         inbox = self._client.monitor.inbox
-        while not inbox.empty():
-            item = inbox.get_nowait()
-            if isinstance(item, ProcessEnd):
-                self._on_end(item)
-            elif isinstance(item, msg.OutputsBatch):
-                self._on_outputs(item)
-            elif isinstance(item, msg.UtilityReply):
-                self._on_reply(item)
+        if inbox.empty():
+            return
+        item = inbox.get_nowait()
+        if not inbox.empty():
+            assert self._loop is not None
+            self._loop.call_soon(_read_inbox, weakref.ref(self))
+        if isinstance(item, ProcessEnd):
+            self._on_end(item)
+        elif isinstance(item, msg.OutputsBatch):
+            self._on_outputs(item)
+        elif isinstance(item, msg.UtilityReply):
+            self._on_reply(item)
 
     def _on_outputs(self, batch: msg.OutputsBatch) -> None:
         processed = self._processor.process(batch.outputs)

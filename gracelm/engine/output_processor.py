@@ -99,6 +99,8 @@ class ProcessedOutputs:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        # Each token's own text, for logprobs: 21 of them per token of a request that asks for 20.
+        self._token_texts: dict[int, str] = {}
         self._requests: dict[str, _RequestState] = {}
         self._by_core_id: dict[str, tuple[_RequestState, _Completion]] = {}
         self.faults: collections.Counter[str] = collections.Counter()  # requests ended by a fault, by stage
@@ -230,7 +232,10 @@ class OutputProcessor:
         completion.cumulative_logprob += out.logprob
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     @staticmethod
     def _finish(completion: _Completion, reason: str, stop_reason: str | int | None = None) -> None:

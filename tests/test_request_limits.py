@@ -1,0 +1,133 @@
+"""Bounded request cost: stop strings beyond `--max-stop-strings` or `--max-stop-chars` are a 400 naming the
+option (chat and completions, plain and streaming); `/health` answers while the costliest request the
+limits allow runs; `--header-timeout` closes a connection whose request headers do not come in time."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.costly_requests import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, costliest_completion
+from tests.server_process import ServerProcess, metric_value
+from tests.tiny_models import tiny_model
+
+HEADER_TIMEOUT = 1.0
+USER = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    # Default request limits; room for all 128 choices of the costliest request at once.
+    with ServerProcess(tiny_model("llama"), "--kv-cache-memory", "32MiB", "--max-model-len", "512",
+                       "--max-num-seqs", str(MAX_N), "--num-threads", "1", "--stats-interval", "0",
+                       "--header-timeout", str(HEADER_TIMEOUT)) as server:
+        yield server
+
+
+def _post(server, route: str, body: dict, stream: bool) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/{route}", json={**body, "stream": stream}, timeout=60)
+
+
+@pytest.mark.parametrize("stop,option", [
+    ([f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], "--max-stop-strings"),
+    (["x" * (MAX_STOP_CHARS // 2), "y" * (MAX_STOP_CHARS // 2 + 1)], "--max-stop-chars"),
+])
+@pytest.mark.parametrize("route,body", [("completions", {"prompt": "the cat"}),
+                                        ("chat/completions", {"messages": USER})])
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_beyond_the_limits_are_refused_naming_the_option(server, stop, option, route, body,
+                                                                      stream):
+    refused = _post(server, route, {**body, "stop": stop, "max_tokens": 2}, stream)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "stop" and error["code"] == "limit_exceeded" and option in error["message"]
+    at_limit = _post(server, route, {**body, "stop": stop[:-1], "max_tokens": 2}, stream)
+    assert at_limit.status_code == 200, at_limit.text
+
+
+def test_health_answers_while_the_costliest_allowed_request_runs(server):
+    events: list[str] = []
+    started = threading.Event()
+
+    def run() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=costliest_completion(60),
+                          timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    started.set()
+        started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(120), "the costly request never started"
+    probes = []
+    while thread.is_alive():
+        begun = time.monotonic()
+        # A probe that waits more than a second (far more than the loop ever should) raises here.
+        assert httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200
+        probes.append(time.monotonic() - begun)
+        time.sleep(0.02)
+    thread.join()
+    assert events[-1] == "[DONE]" and len(probes) >= 5, (len(probes), events[-3:])
+    choices = [c for event in events[:-1] for c in json.loads(event)["choices"]]
+    reasons = [c["finish_reason"] for c in choices if c["finish_reason"]]
+    assert reasons == ["length"] * MAX_N
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert metric_value(metrics, "gracelm_kv_cache_usage_perc") == 0
+
+
+def _closed_within(sock: socket.socket, limit: float) -> float:
+    """Seconds until the server closed `sock`, reading (and discarding) whatever it sent before."""
+    sock.settimeout(limit)
+    begun = time.monotonic()
+    with contextlib.suppress(ConnectionResetError):
+        while sock.recv(65536):
+            pass
+    return time.monotonic() - begun
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        elapsed = _closed_within(sock, 30)
+    assert HEADER_TIMEOUT * 0.9 <= elapsed < HEADER_TIMEOUT + 10
+
+
+def test_headers_dribbled_byte_by_byte_are_cut_off(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        begun = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            while time.monotonic() - begun < HEADER_TIMEOUT + 10:
+                sock.sendall(b"X")  # a header that never ends: a byte now and then keeps nothing open
+                time.sleep(0.1)
+                sock.setblocking(False)
+                try:
+                    if sock.recv(1) == b"":
+                        break
+                except BlockingIOError:
+                    pass
+                finally:
+                    sock.setblocking(True)
+        elapsed = time.monotonic() - begun
+    assert HEADER_TIMEOUT * 0.9 <= elapsed < HEADER_TIMEOUT + 10
+
+
+def test_a_kept_alive_connection_serves_whole_requests_and_cuts_off_a_slow_one(server):
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        for _ in range(2):
+            time.sleep(HEADER_TIMEOUT * 0.6)  # together longer than the timeout: each request has its own
+            sock.sendall(request)
+            answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+        sock.sendall(b"GET /health HTTP/1.1\r\n")  # and the rest never comes
+        elapsed = _closed_within(sock, 30)
+    assert HEADER_TIMEOUT * 0.9 <= elapsed < HEADER_TIMEOUT + 10
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
