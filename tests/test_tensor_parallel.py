@@ -3,12 +3,6 @@ workers' lifecycle — clean stop with a teardown report, death noticed at once,
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -17,13 +11,13 @@ import pytest
 
 from gracelm import Engine, SamplingParams
 from gracelm.config import EngineConfig
-from gracelm.engine.errors import EngineDeadError
 from gracelm.lifecycle.ledger import Outcome, ResourceKind
 from gracelm.parallel.executor import Executor
 from gracelm.parallel.layout import ShardingError, check_parallel_config
 from tests.process_checks import assert_nothing_left
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import ServerProcess
 from tests.tiny_models import make_tiny_model
+from tests.two_nodes import TwoNodes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,11 +48,6 @@ def _generate(model: Path, tp: int) -> list[tuple[list[int], str]]:
 @pytest.fixture(scope="module")
 def tp1_outputs(models) -> dict[str, list[tuple[list[int], str]]]:
     return {arch: _generate(path, 1) for arch, path in models.items()}
-
-
-def _worker_pids(root: int) -> list[int]:
-    return [p.pid for p in psutil.Process(root).children(recursive=True)
-            if "gracelm::worker" in " ".join(p.cmdline())]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -96,35 +85,6 @@ def test_executor_shutdown_reports_each_ranks_teardown(models):
     assert_nothing_left()
 
 
-def test_worker_killed_under_load_is_fatal_at_once(models):
-    engine = _engine(models["llama"], 2)
-    try:
-        errors: list[BaseException] = []
-        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        thread = threading.Thread(target=lambda: _record(errors, engine.generate, PROMPTS * 4, long))
-        thread.start()
-        time.sleep(0.5)
-        (worker,) = _worker_pids(os.getpid())
-        killed = time.monotonic()
-        os.kill(worker, signal.SIGKILL)
-        thread.join(10)
-        assert not thread.is_alive()
-        elapsed = time.monotonic() - killed
-        assert errors and isinstance(errors[0], EngineDeadError), errors
-        assert elapsed < 2.0, elapsed
-        assert "worker rank 1" in str(errors[0]) and "SIGKILL" in str(errors[0])
-    finally:
-        engine.shutdown()
-    assert_nothing_left()
-
-
-def _record(errors: list[BaseException], function, *args) -> None:
-    try:
-        function(*args, use_tqdm=False)
-    except BaseException as e:  # noqa: BLE001 - the test inspects it
-        errors.append(e)
-
-
 def test_serve_tp2_equals_tp1(models, tp1_outputs):
     with ServerProcess(models["llama"], "--tensor-parallel-size", "2", "--kv-cache-memory", "4MiB",
                        "--num-threads", "1") as server:
@@ -143,40 +103,6 @@ def _completions(url: str) -> list[str]:
     return texts
 
 
-class TwoNodes:
-    """Node 0: `gracelm serve` with rank 0; node 1: `gracelm serve --node-rank 1`, headless, with rank 1."""
-
-    def __init__(self, model: Path) -> None:
-        self.addr = f"127.0.0.1:{free_port()}"
-        common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", self.addr,
-                  "--num-threads", "1"]
-        self.node1 = subprocess.Popen(
-            [str(Path(sys.executable).parent / "gracelm"), "serve", "--model", str(model), *common,
-             "--node-rank", "1"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            self.node0 = ServerProcess(model, *common, "--node-rank", "0", "--kv-cache-memory", "4MiB")
-        except BaseException:
-            self.node1.kill()
-            self.node1.wait()
-            raise
-        self.node1_procs = [psutil.Process(self.node1.pid), *psutil.Process(self.node1.pid).children(True)]
-
-    def node1_output(self, timeout: float) -> tuple[int, str]:
-        out, _ = self.node1.communicate(timeout=timeout)
-        return self.node1.returncode, out
-
-    def kill_all(self) -> None:
-        self.node0.kill()
-        self.node0.close_log()
-        for proc in self.node1_procs:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.node1.wait(10)
-
-
 def test_two_nodes_equal_tp1_and_sigterm_on_node0_stops_node1(models, tp1_outputs):
     nodes = TwoNodes(models["llama"])
     try:
@@ -187,22 +113,5 @@ def test_two_nodes_equal_tp1_and_sigterm_on_node0_stops_node1(models, tp1_output
         assert "process group  gloo rank 1/2" in out and "released" in out
         _, alive = psutil.wait_procs(nodes.node1_procs, timeout=2)
         assert not alive
-    finally:
-        nodes.kill_all()
-
-
-def test_node1_worker_killed_is_fatal_on_node0_within_2s(models):
-    nodes = TwoNodes(models["llama"])
-    try:
-        (worker,) = [p.pid for p in nodes.node1_procs[1:] if "gracelm::worker" in " ".join(p.cmdline())]
-        killed = time.monotonic()
-        os.kill(worker, signal.SIGKILL)
-        code = nodes.node0.wait_exit(timeout=10)
-        assert time.monotonic() - killed < 2.0
-        assert code == 1, nodes.node0.log()[-3000:]
-        assert "worker rank 1" in nodes.node0.log()
-        nodes.node0.assert_nothing_left()
-        node1_code, out = nodes.node1_output(timeout=10)
-        assert node1_code == 1, out
     finally:
         nodes.kill_all()

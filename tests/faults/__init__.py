@@ -1,1 +1,1 @@
-"""The fault matrix: real `gracelm serve` processes, real signals and faults; each case ends with nothing left."""
+"""The fault matrix: real `gracelm serve` processes, real signals and faults; nothing is left."""

@@ -174,3 +174,44 @@ def test_each_end_of_the_core_gives_one_event_with_its_reason(model, args, hooks
             assert stream.errors[0]["message"] == f"the engine is dead: {message}"
     finally:
         leave_nothing_behind(server, core)
+
+
+def test_kill_9_of_an_idle_core_is_fatal_within_2_s(model):
+    server = serve(model)
+    core = core_of(server)
+    try:
+        killed = time.monotonic()
+        core.kill()
+        health = health_once_failure_known(server.url)
+        assert server.wait_exit(5) == 1, server.log()[-5000:]
+        assert time.monotonic() - killed < 2.0
+        log = finish(server, 1, within=5)
+        assert health == 503
+        assert f"engine core pid {core.pid} killed by SIGKILL" in assert_one_end(log, "killed")
+    finally:
+        leave_nothing_behind(server, core)
+
+
+def test_sigstop_of_a_busy_core_is_fatal_within_the_hang_timeout(model):
+    hang_timeout = 2.0
+    server = serve(model, "--engine-hang-timeout", str(hang_timeout))
+    core = core_of(server)
+    try:
+        streams = start_streams(server.url, 2, max_tokens=400)
+        stopped = time.monotonic()
+        core.suspend()
+        wait_stopped(core)
+        health = health_once_failure_known(server.url, within=hang_timeout + 5)
+        failed_after = time.monotonic() - stopped
+        for stream in streams:
+            stream.join(15)
+            assert stream.error is None and stream.events[-1] == "[DONE]", stream.events
+            assert [e["code"] for e in stream.errors] == ["engine_dead"], stream.events
+            assert "hung" in stream.errors[0]["message"]
+        log = finish(server, 1, within=10)  # the stopped core must have been killed
+        assert health == 503
+        assert hang_timeout - 0.1 < failed_after < hang_timeout + 3, failed_after
+        assert not core.is_running()
+        assert f"engine core pid {core.pid} hung: no step finished for" in assert_one_end(log, "hung")
+    finally:
+        leave_nothing_behind(server, core)
