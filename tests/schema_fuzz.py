@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
+import httpx
 import requests
 import schemathesis
 from schemathesis.engine import Status, events
 from schemathesis.engine.errors import ServerUnavailable
+
+from tests.server_process import metric_value
 
 CHECKS = ["not_a_server_error", "status_code_conformance", "content_type_conformance",
           "response_headers_conformance", "response_schema_conformance", "negative_data_rejection",
@@ -111,3 +115,16 @@ def _network_kind(error: Exception) -> str:
     if isinstance(error, requests.ConnectionError | ServerUnavailable):
         return "no server"
     return f"error {type(error).__name__}"
+
+
+def wait_idle(url: str, timeout: float = 30) -> bool:
+    """Whether, within `timeout`, nothing runs or waits and the KV cache is empty again (a request aborted
+    when its client left is freed at the engine's next step, so this may take a moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        idle = all(metric_value(text, name) == 0 for name in (
+            "gracelm_kv_cache_usage_perc", "gracelm_num_requests_running", "gracelm_num_requests_waiting"))
+        if idle or time.monotonic() > deadline:
+            return idle
+        time.sleep(0.1)
