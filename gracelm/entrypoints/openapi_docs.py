@@ -6,6 +6,7 @@ fuzzing test (`tests/test_schema_fuzz.py`) holds the server to: an undocumented 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from fastapi import FastAPI
@@ -99,7 +100,7 @@ def install_openapi(app: FastAPI) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = build()
+            schema = copy.deepcopy(build())  # the routes' own dicts (`openapi_extra`, `responses`) stay whole
             _move_defs(schema["paths"], schema.setdefault("components", {}).setdefault("schemas", {}))
             app.openapi_schema = schema
         return app.openapi_schema
