@@ -5,7 +5,7 @@ executor never sees the scheduler's live requests), and torch-free, so that the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -36,6 +36,8 @@ class ModelStep:
     params: list[SamplingParams]
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
+    # Per row, the stop tokens it may not sample yet (`SamplingParams.min_tokens`); empty for most rows.
+    held_stop_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

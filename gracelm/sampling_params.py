@@ -20,7 +20,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     `temperature == 0` (or below `GREEDY_BELOW`) means greedy. `top_k` of 0 or -1 and `top_p == 1` disable
     those filters.
     `max_tokens=None` lets the request run to the end of the context (`max_model_len`).
-    `logprobs=N` returns, for each generated token, its logprob and the N most likely alternatives.
+    `logprobs=N` returns, for each generated token, its logprob and the N most likely alternatives;
+    `prompt_logprobs=N` the same for each prompt token after the first.
+    `min_tokens` holds off the stop tokens (EOS, `stop_token_ids`) and stop strings until that many tokens
+    are generated. `include_stop_str_in_output` keeps the stop string (or stop token's text) in the text.
+    `skip_special_tokens` leaves special tokens out of the text; when they are kept,
+    `spaces_between_special_tokens` puts a space between each of them and its neighbours.
     """
 
     n: int = 1
@@ -37,6 +42,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +67,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                f"must be in (0, 2], got {self.repetition_penalty}")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                f"must be between 0 and 20, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+               f"must be between 0 and 20, got {self.prompt_logprobs}")
+        _check(0 <= self.min_tokens <= _MAX_COUNT, "min_tokens",
+               f"must be between 0 and {_MAX_COUNT}, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and 0 <= t <= _MAX_COUNT for t in self.stop_token_ids),
                "stop_token_ids", f"must be token ids between 0 and {_MAX_COUNT}")

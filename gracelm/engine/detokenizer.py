@@ -24,15 +24,25 @@ class IncrementalDetokenizer:
     """Text of one completion, decoded with the model's `Tokenizer`.
 
     `stop` strings end the completion at the first one completed (even when it spans tokens) and are not
-    part of the text; the `n` completions of a request share one `StopStrings`. `stream_delta()` never hands
-    out text that could still turn out to begin a stop string, so a streamed reply never shows a stop
-    string, nor a part of one.
+    part of the text unless `include_stop`; none is looked for in the text of the first `min_tokens`
+    tokens. The `n` completions of a request share one `StopStrings`. Special tokens (`special_ids`) are
+    left out with `skip_special_tokens`; kept, `spaces_between_special_tokens` sets each apart with spaces.
+    `stream_delta()` never hands out text that could still turn out to begin a stop string, so a streamed
+    reply never shows a stop string, nor a part of one.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 stop: StopStrings | list[str] | None = None, skip_special_tokens: bool = True) -> None:
+                 stop: StopStrings | list[str] | None = None, skip_special_tokens: bool = True, *,
+                 spaces_between_special_tokens: bool = False, special_ids: frozenset[int] = frozenset(),
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
+        self._spaced = spaces_between_special_tokens and not skip_special_tokens and bool(special_ids)
+        self._special_ids = special_ids
+        self._min_tokens = min_tokens
+        self._include_stop = include_stop
+        self._num_tokens = 0
+        self._stops_from = 0  # where the stop-string search starts: after the first `min_tokens` tokens' text
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -58,6 +68,7 @@ class IncrementalDetokenizer:
             self.finish()
             return None
         self._ids.append(token_id)
+        self._num_tokens += 1
         return self._append(self._decode_window(final=False))
 
     def finish(self) -> None:
@@ -87,19 +98,38 @@ class IncrementalDetokenizer:
         return after[len(before):]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip_special)
+        if not self._spaced:
+            return self._tok.decode(ids, skip_special_tokens=self._skip_special)
+        # Runs of ordinary tokens decoded together, each special token alone, joined by spaces.
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in self._special_ids:
+                if run:
+                    parts.append(self._tok.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self._tok.decode([token_id], skip_special_tokens=False))
+            else:
+                run.append(token_id)
+        if run:
+            parts.append(self._tok.decode(run, skip_special_tokens=False))
+        return " ".join(parts)
 
     def _append(self, new_text: str) -> str | None:
         if not new_text:
             return None
         start = len(self._text)
         self._text += new_text
+        if self._num_tokens <= self._min_tokens:  # held off: the search starts after this text
+            self._stops_from = len(self._text)
+            return None
         if not self._stops:
             return None
+        start = max(start, self._stops_from)
         self._stop_state, match = self._stops.advance(self._stop_state, self._text, start)
         if match is None:
             return None
-        self._text = self._text[:match.start]
+        self._text = self._text[:match.start + (len(match.stop) if self._include_stop else 0)]
         self.stop_string = match.stop
         self.finished = True
         return match.stop

@@ -38,6 +38,7 @@ class _Completion:
     core_id: str
     detokenizer: IncrementalDetokenizer
     wants_logprobs: bool
+    include_stop: bool = False  # the stop token's text stays in the text
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     cumulative_logprob: float = 0.0
@@ -101,6 +102,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         # Each token's own text, for logprobs: 21 of them per token of a request that asks for 20.
         self._token_texts: dict[int, str] = {}
+        self._special_ids = frozenset(i for i, t in tokenizer.backend.get_added_tokens_decoder().items()
+                                      if t.special)
         self._requests: dict[str, _RequestState] = {}
         self._by_core_id: dict[str, tuple[_RequestState, _Completion]] = {}
         self.faults: collections.Counter[str] = collections.Counter()  # requests ended by a fault, by stage
@@ -121,8 +124,13 @@ class OutputProcessor:
         stops = StopStrings(params.stop)  # one automaton for the n completions
         for index in range(params.n):
             core_id = f"{request_id}/{index}"
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stops)
-            completion = _Completion(index, core_id, detokenizer, params.logprobs is not None)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, stops, params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                special_ids=self._special_ids, min_tokens=params.min_tokens,
+                include_stop=params.include_stop_str_in_output)
+            completion = _Completion(index, core_id, detokenizer, params.logprobs is not None,
+                                     params.include_stop_str_in_output)
             state.completions.append(completion)
             self._by_core_id[core_id] = (state, completion)
             core_params = msgspec.structs.replace(params, n=1, seed=params.choice_seed(index))
@@ -208,8 +216,9 @@ class OutputProcessor:
         completion.num_generated += 1
         if out.logprob is not None:
             self._add_logprobs(completion, out)
-        # A "stop" from the core is always a stop token (EOS or stop_token_ids): it adds no text.
-        hidden = out.finish_reason == "stop"
+        # A "stop" from the core is always a stop token (EOS or stop_token_ids): it adds no text, unless
+        # the request keeps its stop strings (vLLM's include_stop_str_in_output).
+        hidden = out.finish_reason == "stop" and not completion.include_stop
         stop_string = completion.detokenizer.add_token(out.token_id, hidden=hidden)
         if stop_string is not None:
             self._finish(completion, "stop", stop_string)

@@ -66,6 +66,15 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 
+    def held_stop_ids(self) -> list[int]:
+        """The stop tokens the next token may not be: all of them while fewer than `min_tokens` tokens are
+        generated, none after."""
+        params = self.sampling_params
+        if len(self.output_token_ids) >= params.min_tokens:
+            return []
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return [*eos, *params.stop_token_ids]
+
     @property
     def all_token_ids(self) -> list[int]:
         """Prompt then output tokens; a live list kept by the request (read it, never mutate it)."""

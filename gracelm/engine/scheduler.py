@@ -100,7 +100,8 @@ class SchedulerOutput:
                           logits_indices=logits_indices)
         sampling = [item.request for item in self.sampling]
         return ModelStep(batch, [r.request_id for r in sampling], [r.sampling_params for r in sampling],
-                         [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling])
+                         [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling],
+                         [r.held_stop_ids() for r in sampling])
 
 
 @dataclass(frozen=True)
@@ -272,11 +273,13 @@ class Scheduler:
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         # Stop tokens first: a model that ends its answer on its last allowed token did stop.
         params = request.sampling_params
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
+        # While `min_tokens` holds them off, the stop tokens are masked in the sampler, and none ends it.
+        if len(request.output_token_ids) > params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
         max_tokens = params.max_tokens
         if request.num_tokens >= self.config.max_model_len or (
                 max_tokens is not None and len(request.output_token_ids) >= max_tokens):

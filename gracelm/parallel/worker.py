@@ -113,6 +113,7 @@ class Worker:
         assert logits is not None
         if not step.request_ids:
             return []
+        _hold_stop_tokens(logits, step.held_stop_ids)
         generators = [self._generator(request_id, params.seed)
                       for request_id, params in zip(step.request_ids, step.params, strict=True)]
         rows = range(len(step.request_ids))
@@ -220,6 +221,14 @@ class Worker:
                 token.top_logprobs = out.top_logprobs[row, :num_logprobs].tolist()
         return token
 
+
+
+def _hold_stop_tokens(logits: torch.Tensor, held: list[list[int]]) -> None:
+    """`min_tokens`: each row's held stop tokens become impossible (in place, before sampling; their
+    logprobs, if asked, read as impossible too)."""
+    pairs = [(row, t) for row, ids in enumerate(held) for t in ids if t < logits.shape[1]]
+    if pairs:
+        logits[torch.tensor(pairs, dtype=torch.int64).unbind(1)] = -torch.inf
 
 
 def _injected_fault(params: list[SamplingParams]) -> None:
