@@ -22,6 +22,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 
@@ -155,17 +156,33 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **variables: Any) -> list[int]:
         """Token ids of the rendered conversation. The template writes any BOS itself, so none is added."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, **variables),
+                           add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, *, chat_template: str | None = None,
+                    **variables: Any) -> str:
+        """`tools` (OpenAI's tool objects) are passed as transformers passes them; a template that does not
+        render them (`renders_tools`) leaves them out. `chat_template` replaces the model's; `variables`
+        are further template variables (a request's chat_template_kwargs, documents)."""
+        chat_template = chat_template or self.chat_template
+        if not chat_template:
             raise ValueError(f"the model's tokenizer ({self.name}) has no chat template; send a plain prompt "
                              "(completions) instead of chat messages")
-        template = _compiled(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               **self.special_tokens)
+        template = _compiled(chat_template)
+        return template.render({**self.special_tokens, **variables, "messages": messages,
+                                "add_generation_prompt": add_generation_prompt, "tools": tools})
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads the `tools` variable, i.e. has a tools section of its own."""
+        if not self.chat_template:
+            return False
+        env = _compiled_environment()
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
 
     def _turn_end_id(self) -> int | None:
         """The special token the chat template writes right after an assistant message's content, if any."""
@@ -188,12 +205,17 @@ class Tokenizer:
 @functools.lru_cache(maxsize=8)
 def _compiled(chat_template: str) -> jinja2.Template:
     """The template compiled once, in a sandbox: chat templates come with models and are untrusted."""
+    return _compiled_environment().from_string(chat_template)
+
+
+@functools.cache
+def _compiled_environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(chat_template)
+    return env
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,

@@ -1,0 +1,47 @@
+"""Calls written between a start and an end tag, anywhere in the text, each tag holding one call object or
+a list of them: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen2.5, Qwen3) and
+`<tool_call>[{...}, ...]</tool_call>` (SmolLM2). Text around the tags is content."""
+
+from __future__ import annotations
+
+from gracelm.entrypoints.tool_parsers import base
+from gracelm.entrypoints.tool_parsers.base import Content, Event, ToolParser
+
+
+class TaggedParser(ToolParser):
+    start_tag = "<tool_call>"
+    end_tag = "</tool_call>"
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._inside = False  # after a start tag, before its end tag
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        events: list[Event] = []
+        while True:
+            tag = self.end_tag if self._inside else self.start_tag
+            at = self._buffer.find(tag)
+            if at < 0:
+                if not self._inside:  # give out all but what may begin a start tag
+                    keep = base.held_back(self._buffer, tag)
+                    events.append(Content(self._buffer[:keep]))
+                    self._buffer = self._buffer[keep:]
+                return events
+            before, self._buffer = self._buffer[:at], self._buffer[at + len(tag):]
+            events.extend(self._call(before, closed=True) if self._inside else [Content(before)])
+            self._inside = not self._inside
+
+    def finish(self) -> list[Event]:
+        # A call left open at the end (the model stopped at its end-of-turn token) still counts if whole.
+        events = self._call(self._buffer, closed=False) if self._inside else [Content(self._buffer)]
+        self._buffer, self._inside = "", False
+        return events
+
+    def _call(self, body: str, closed: bool) -> list[Event]:
+        decoded = base.decode_prefix(body)
+        if decoded is not None and not body[decoded[1]:].strip():
+            calls = base.calls_of(decoded[0])
+            if calls:
+                return list(calls)
+        return [Content(self.start_tag + body + (self.end_tag if closed else ""))]
