@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from gracelm.structured_output import StructuredOutputs
+
 # OpenAI's limit on choices per request: the fan-out one request may ask of the engine.
 MAX_N = 128
 # Integers cross the process boundary as msgpack int64/uint64 and feed int32/int64 tensors: larger ones are
@@ -26,6 +28,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     are generated. `include_stop_str_in_output` keeps the stop string (or stop token's text) in the text.
     `skip_special_tokens` leaves special tokens out of the text; when they are kept,
     `spaces_between_special_tokens` puts a space between each of them and its neighbours.
+    Token constraints, applied before penalties and filters: `structured_outputs` constrains the text to a
+    JSON schema, a regular expression, a choice or a grammar; `logit_bias` adds its bias (-100 to 100, as
+    OpenAI) to a token's logit; `allowed_token_ids` leaves only those tokens possible; `bad_words` are never
+    produced (the last token of a word's tokens is banned whenever the tokens before it were just produced).
     """
 
     n: int = 1
@@ -47,6 +53,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +86,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and 0 <= t <= _MAX_COUNT for t in self.stop_token_ids),
                "stop_token_ids", f"must be token ids between 0 and {_MAX_COUNT}")
+        _check(all(isinstance(t, int) and 0 <= t <= _MAX_COUNT and -100.0 <= b <= 100.0
+                   for t, b in self.logit_bias.items()), "logit_bias",
+               f"must map token ids (0 to {_MAX_COUNT}) to biases between -100 and 100")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or (bool(allowed) and all(isinstance(t, int) and 0 <= t <= _MAX_COUNT
+                                                         for t in allowed)), "allowed_token_ids",
+               f"must be a non-empty list of token ids between 0 and {_MAX_COUNT}")
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+               "must be non-blank strings")
         low, high = _SEED_RANGE
         _check(self.seed is None or (isinstance(self.seed, int) and low <= self.seed <= high), "seed",
                f"must be an integer between {low} and {high}, got {self.seed!r}")

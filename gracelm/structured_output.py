@@ -1,0 +1,93 @@
+"""What a structured-output request constrains its text to — a JSON schema, any JSON object, a regular
+expression, one of some strings, or a grammar — and that constraint as an llguidance grammar.
+
+For tool calling and any other caller: to constrain a request by a JSON schema, set
+`SamplingParams(structured_outputs=StructuredOutputs.of_json_schema(schema))`, then check it with
+`check_grammar` (a `ValueError` naming the field); this is the path `response_format: json_schema` takes.
+
+Torch-free: the frontend checks a constraint when the request arrives (a 400 naming the field), the engine
+core's worker compiles it (`model/token_constraints.py`). The grammar library is llguidance, chosen by
+measurement against xgrammar on this project's CPU host with SmolLM2's tokenizer (49,152 tokens) and a
+six-field JSON schema, mask per decode step: batch 1, 0.014 ms (xgrammar 0.004 ms); batch 32 filled in
+parallel, 0.45 ms (xgrammar 0.32 ms); both negligible beside a ~26 ms decode step. The grammar compiles
+in 5 ms (xgrammar 22 ms). llguidance is a 8 MB wheel with no dependencies, which reads the `tokenizers`
+serialization this project already carries and imports no torch, so the frontend can check grammars;
+xgrammar needs torch and, on x86-64, triton (about 1 GB).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+from llguidance import LLMatcher, grammar_from
+
+# JSON as a compact writer produces it: fixed separators, no free whitespace. A small model let loose on
+# JSON's optional whitespace tends to write newlines until it runs out of tokens.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Exactly one of the constraints (vLLM's `structured_outputs` names). `json` is a JSON schema written as
+    JSON text; `grammar` is Lark or GBNF (llguidance's syntax); `choice` the strings allowed."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs must set exactly one of json, json_object, "
+                             f"regex, choice, grammar; got {given or 'none'}")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs.choice must be a non-empty list of strings")
+
+    @classmethod
+    def of_json_schema(cls, schema: dict[str, Any] | str) -> StructuredOutputs:
+        """A JSON-schema constraint (the schema as a dict or as JSON text)."""
+        return cls(json=schema if isinstance(schema, str) else json.dumps(schema))
+
+    @property
+    def key(self) -> bytes:
+        """The same bytes for the same constraint: what compiled grammars are cached by."""
+        return msgspec.msgpack.encode(self)
+
+    def grammar_text(self) -> str:
+        """The constraint as an llguidance grammar; raises `ValueError` for a schema that is not JSON."""
+        if self.json is not None:
+            return _json_grammar(self.json)
+        if self.json_object:
+            return _json_grammar('{"type": "object"}')
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return grammar_from("choice", self.choice)
+        assert self.grammar is not None
+        return grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to Lark
+
+
+def _json_grammar(schema: str) -> str:
+    return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+
+
+def check_grammar(constraint: StructuredOutputs, field: str) -> None:
+    """Raises `ValueError` naming `field` (the request field it came from) when the constraint cannot be
+    compiled: a schema that is not JSON or uses what llguidance does not support, a regular expression or
+    grammar that does not parse."""
+    try:
+        error = LLMatcher.validate_grammar(constraint.grammar_text())
+    except (ValueError, TypeError) as exc:
+        error = str(exc)
+    if error:
+        raise ValueError(f"SamplingParams.{field} is not a valid {_kind(constraint)}: {error.strip()}")
+
+
+def _kind(constraint: StructuredOutputs) -> str:
+    if constraint.json is not None or constraint.json_object:
+        return "JSON schema"
+    return "regular expression" if constraint.regex is not None else "grammar"
