@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class ErrorInfo(BaseModel):
@@ -114,10 +114,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -137,9 +149,33 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: first its index, id, type and name, then pieces of its arguments
+    (index only). Unset fields are left out, as OpenAI sends them: clients join the pieces field by field."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self))
+
+
+def _without_none(value: dict[str, Any]) -> dict[str, Any]:
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in value.items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
