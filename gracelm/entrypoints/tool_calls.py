@@ -26,12 +26,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
+import msgspec
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from gracelm.entrypoints import tool_parsers
 from gracelm.entrypoints.api_errors import APIError
 from gracelm.entrypoints.tool_parsers import ArgumentsPart, Call, CallListParser, Content, Event, ToolParser
+from gracelm.sampling_params import SamplingParams
+from gracelm.structured_output import StructuredOutputs, check_grammar
 
 DEFAULT_TOOLS_PROMPT = """You can call functions. These are the functions you may call, with their \
 parameters as JSON Schema:
@@ -126,6 +129,24 @@ def plan(tools: list[dict] | None, tool_choice: str | dict | None, parallel_tool
         return ToolPlan(rendered, CallListParser, _calls_schema(checked, parallel), parallel)
     function = _named(choice, checked)
     return ToolPlan(rendered, lambda: NamedCallParser(function.name), _parameters(function), parallel)
+
+
+def constrained(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
+    """`params` with a forced choice's JSON schema as their structured-output constraint."""
+    if tools.schema is None:
+        return params
+    if params.structured_outputs is not None:
+        raise APIError(400, "tool_choice: a required or named tool choice constrains the output itself; "
+                            "it cannot be combined with response_format or structured outputs",
+                       param="tool_choice")
+    constraint = StructuredOutputs.of_json_schema(tools.schema)
+    try:
+        check_grammar(constraint, "tools")
+    except ValueError as exc:
+        reason = str(exc).partition(": ")[2] or str(exc)
+        raise APIError(400, f"tools: the tools' parameters are not a JSON schema this server can generate "
+                            f"under ({reason})", param="tools") from None
+    return msgspec.structs.replace(params, structured_outputs=constraint)
 
 
 def _tool(value: Any, index: int) -> Tool:

@@ -166,7 +166,7 @@ class Tokenizer:
                     tools: list[dict] | None = None, *, chat_template: str | None = None,
                     **variables: Any) -> str:
         """`tools` (OpenAI's tool objects) are passed as transformers passes them; a template that does not
-        render them (`renders_tools`) leaves them out. `chat_template` replaces the model's; `variables`
+        read them (`template_variables`) leaves them out. `chat_template` replaces the model's; `variables`
         are further template variables (a request's chat_template_kwargs, documents)."""
         chat_template = chat_template or self.chat_template
         if not chat_template:
@@ -175,14 +175,6 @@ class Tokenizer:
         template = _compiled(chat_template)
         return template.render({**self.special_tokens, **variables, "messages": messages,
                                 "add_generation_prompt": add_generation_prompt, "tools": tools})
-
-    @functools.cached_property
-    def renders_tools(self) -> bool:
-        """Whether the chat template reads the `tools` variable, i.e. has a tools section of its own."""
-        if not self.chat_template:
-            return False
-        env = _compiled_environment()
-        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
 
     def _turn_end_id(self) -> int | None:
         """The special token the chat template writes right after an assistant message's content, if any."""
@@ -206,6 +198,12 @@ class Tokenizer:
 def _compiled(chat_template: str) -> jinja2.Template:
     """The template compiled once, in a sandbox: chat templates come with models and are untrusted."""
     return _compiled_environment().from_string(chat_template)
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(chat_template: str) -> frozenset[str]:
+    """The variables a chat template reads from its context (`tools` when it has a tools section)."""
+    return frozenset(jinja2.meta.find_undeclared_variables(_compiled_environment().parse(chat_template)))
 
 
 @functools.cache

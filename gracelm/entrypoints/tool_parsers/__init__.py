@@ -14,6 +14,7 @@ from gracelm.entrypoints.tool_parsers.hermes import HermesParser
 from gracelm.entrypoints.tool_parsers.llama3_json import PYTHON_TAG, Llama3JsonParser
 from gracelm.entrypoints.tool_parsers.mistral import MistralParser
 from gracelm.entrypoints.tool_parsers.smollm2 import SmolLM2Parser
+from gracelm.model.tokenizer import template_variables
 
 PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, SmolLM2Parser)
@@ -22,7 +23,15 @@ AUTO = "auto"
 NAMES = (AUTO, *PARSERS)
 
 __all__ = ["PARSERS", "NAMES", "AUTO", "ArgumentsPart", "Call", "CallListParser", "Content", "Event",
-           "ToolParser", "merged", "parser_for_template"]
+           "ToolParser", "merged", "parser_for_template", "resolve"]
+
+
+def resolve(name: str, chat_template: str | None) -> str:
+    """The parser `--tool-call-parser NAME` stands for with this chat template."""
+    if name != AUTO:
+        return name
+    renders_tools = bool(chat_template) and "tools" in template_variables(chat_template or "")
+    return parser_for_template(chat_template, renders_tools)
 
 
 def parser_for_template(chat_template: str | None, renders_tools: bool) -> str:
