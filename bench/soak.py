@@ -87,7 +87,7 @@ class Target:
     max_model_len: int
     vocab_size: int
     max_tokens: int
-    body_limit: int
+    limits: ServerConfig  # the server's request limits (its defaults: options that change them are refused)
 
 
 @dataclass
@@ -204,6 +204,7 @@ async def refused(client: httpx.AsyncClient, path: str, allow_served: bool, **re
 def hostile_requests(target: Target, rng: random.Random) -> list[tuple[str, str, dict]]:
     """(name, path, httpx request arguments) of bodies that must be refused."""
     chat = {"model": target.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    limits = target.limits
     completion = {"model": target.model, "prompt": "hi", "max_tokens": 4}
     json_headers = {"Content-Type": "application/json"}
     text_headers = {"Content-Type": "text/plain"}
@@ -213,7 +214,12 @@ def hostile_requests(target: Target, rng: random.Random) -> list[tuple[str, str,
         ("nan-temperature", CHAT, {"content": json.dumps({**chat, "temperature": math.nan}).encode(),
                                    "headers": json_headers}),
         ("text-plain", CHAT, {"content": json.dumps(chat).encode(), "headers": text_headers}),
-        ("oversized-body", COMPLETIONS, {"json": {**completion, "prompt": "x" * (target.body_limit + 1)}}),
+        ("oversized-body", COMPLETIONS,
+         {"json": {**completion, "prompt": "x" * (limits.max_request_body_bytes + 1)}}),
+        ("too-many-stop-strings", CHAT,
+         {"json": {**chat, "stop": [f"s{i}" for i in range(limits.max_stop_strings + 1)]}}),
+        ("stop-strings-too-long", COMPLETIONS,
+         {"json": {**completion, "stop": ["y" * (limits.max_stop_chars + 1)]}}),
         ("unknown-model", CHAT, {"json": {**chat, "model": "no-such-model"}}),
         ("no-messages", CHAT, {"json": {**chat, "messages": []}}),
         ("bad-role", CHAT, {"json": {**chat, "messages": [{"role": "wizard", "content": "hi"}]}}),
@@ -251,12 +257,19 @@ def extreme_bodies(target: Target, rng: random.Random) -> list[tuple[str, dict]]
         "penalties": {"presence_penalty": -2.0, "frequency_penalty": 2.0, "temperature": 1.0},
         "many-stop-token-ids": {"stop_token_ids": list(range(min(256, target.vocab_size)))},
         "stop-strings": {"stop": [w * 3 for w in WORDS[:16]]},
+        "most-stop-strings": {"stop": costliest_stops(target.limits)},
         "max-top-k": {"top_k": 2**31 - 1, "temperature": 1e-6},
         "n-128": {"n": 128, "max_tokens": 2},
     }
     prompt = f"{SYSTEM}\n{user_text(rng)}"
     return [(name, {"model": target.model, "prompt": prompt, "max_tokens": rng.randint(1, 8),
                     "stream": rng.random() < 0.5, **edge}) for name, edge in edges.items()]
+
+
+def costliest_stops(limits: ServerConfig) -> list[str]:
+    """As many distinct stop strings as allowed, as long as allowed in all."""
+    count = limits.max_stop_strings
+    return [str(i).zfill(limits.max_stop_chars // count) for i in range(count)] if count else []
 
 
 # -- scenarios: each sends one request and returns its outcome, or raises Failure ------------------------
@@ -571,7 +584,7 @@ def load_target(server: ServerProcess, model_path: str | None, max_tokens: int) 
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     config = read_model_config(model_path)
     target = Target(server.url, card["id"], card["max_model_len"], config.vocab_size, max_tokens,
-                    ServerConfig().max_request_body_bytes)
+                    ServerConfig())
     return target, int(metric_value(metrics, "gracelm_kv_cache_blocks_total"))
 
 
@@ -601,9 +614,9 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     if not (args.interval > 0 and args.duration >= 8 * args.interval and args.concurrency >= 1):
         parser.error("--duration must be at least 8 --interval (two samples a quarter), --interval positive, "
                      "--concurrency at least 1")
-    for option in ("--block-size", "--max-request-body-bytes"):
+    for option in ("--block-size", "--max-request-body-bytes", "--max-stop-strings", "--max-stop-chars"):
         if option in serve_args:
-            parser.error(f"{option}: not supported here (the KV fill and the oversized body assume its "
+            parser.error(f"{option}: not supported here (the KV fill and the hostile bodies assume its "
                          f"default)")
     return args, serve_args
 

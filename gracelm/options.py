@@ -80,9 +80,18 @@ def add_arguments(group: argparse._ActionsContainer, cls: type) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         elif kind is list:
-            group.add_argument(flag, nargs="+", action="extend", metavar="VALUE", **common)
+            group.add_argument(flag, nargs="+", action=_Extend, metavar="VALUE", **common)
         else:
             group.add_argument(flag, type=kind, choices=field.metadata.get("choices"), **common)
+
+
+class _Extend(argparse._ExtendAction):
+    """Extends the list, and notes the dest and words of this occurrence as `namespace.last_repeated`: a
+    word meant as the positional argument after them is read as one of them (`gracelm.entrypoints.cli`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        namespace.last_repeated = (self.dest, list(values))
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:

@@ -340,7 +340,8 @@ def test_unlimited_max_tokens_runs_to_max_model_len():
 def test_too_long_or_empty_prompt_is_refused_at_admission():
     # The frontend checks a prompt once, before it reaches the scheduler (`check_prompt`).
     scheduler = Scheduler(config(max_model_len=32))
-    with pytest.raises(ValueError, match=r"33 tokens, more than max_model_len \(32\)"):
+    with pytest.raises(ValueError, match=r"maximum context length is 32 tokens\. However, you requested 34 "
+                                         r"tokens \(33 in the messages, 1 in the completion\)"):
         check_prompt(list(range(33)), max_model_len=32, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="empty"):
         check_prompt([], max_model_len=32, vocab_size=VOCAB)

@@ -123,10 +123,17 @@ class AsyncEngine(EngineFrontend):
             stream.put(last)
 
     async def stats(self) -> dict:
+        return await self._call("stats")
+
+    async def request_timings(self, seen: int) -> dict:
+        """The core's phase timings of the sequences finished after the first `seen` (`RequestTimings`)."""
+        return await self._call("request_timings", seen)
+
+    async def _call(self, method: str, *args) -> dict:
         self._bind_loop()
         self._check_usable()
         assert self._loop is not None
-        with self._utility_call("stats") as call_id:
+        with self._utility_call(method, *args) as call_id:
             reply = self._calls[call_id] = self._loop.create_future()
             try:
                 return await reply

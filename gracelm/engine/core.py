@@ -40,6 +40,7 @@ from gracelm.engine import messages as msg
 from gracelm.engine.kv_persistence import KVPersistence
 from gracelm.engine.messages import CoreState
 from gracelm.engine.request import Request
+from gracelm.engine.request_timings import RequestTimings
 from gracelm.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.heartbeat import Heartbeat
@@ -88,6 +89,7 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.num_preemptions = 0
+        self.timings = RequestTimings()
         self.state = CoreState.RUNNING
         logger.info("engine core ready: %s, max_model_len %d, %d KV blocks of %d tokens", self.model_name,
                     self.max_model_len, num_blocks, config.block_size)
@@ -120,10 +122,12 @@ class EngineCore:
         except ValueError as e:  # an id in use: the frontend's bug, not a crash of the core
             logger.warning("request %s refused: %s", add.request_id, e)
             return [msg.TokenOutput(add.request_id, None, "abort")]
+        self.timings.arrived(add.request_id)
         return []
 
     def abort_requests(self, request_ids: list[str]) -> list[msg.TokenOutput]:
         aborted = self.scheduler.abort_requests(request_ids)
+        self.timings.forget(aborted)
         self.executor.release_requests(aborted)
         return [msg.TokenOutput(request_id, None, "abort") for request_id in aborted]
 
@@ -137,8 +141,11 @@ class EngineCore:
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if not scheduled.scheduled:
             return []
+        self.timings.scheduled(item.request.request_id for item in scheduled.scheduled)
         sampled = self.executor.execute(scheduled.model_step(self.config.block_size))
         updates = self.scheduler.update_from_output(scheduled, sampled)
+        for update in updates:
+            self.timings.sampled(update.request_id, update.finished)
         self.executor.release_requests([u.request_id for u in updates if u.finished])
         return [_token_output(u) for u in updates]
 
@@ -167,7 +174,7 @@ class EngineCoreProc:
         self.poller = zmq.Poller()
         self.poller.register(input_socket, zmq.POLLIN)
         self._deadline: float | None = None
-        self._utilities = {"stats": core.stats}
+        self._utilities = {"stats": core.stats, "request_timings": core.timings.since}
         self._steps = 0
         self._hooks = active_test_hooks()
 

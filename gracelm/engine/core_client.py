@@ -135,9 +135,9 @@ class EngineCoreClient:
         if request_ids and self.monitor.end is None:
             self.send(msg.AbortRequests(request_ids))
 
-    def call(self, method: str) -> int:
+    def call(self, method: str, *args) -> int:
         """Sends a utility call; its `UtilityReply` comes through the inbox with the returned id."""
-        call = msg.UtilityCall(next(self._call_ids), method)
+        call = msg.UtilityCall(next(self._call_ids), method, list(args))
         self.send(call)
         return call.call_id
 

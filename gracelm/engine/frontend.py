@@ -123,7 +123,7 @@ class EngineFrontend:
             text, ids = None, list(prompt)
         # The one check of a prompt: raises `PromptError`, a `ValueError`.
         assert self.config.max_model_len is not None
-        check_prompt(ids, self.config.max_model_len, self.model_config.vocab_size)
+        check_prompt(ids, self.config.max_model_len, self.model_config.vocab_size, params.max_tokens)
         return text, ids
 
     def open_requests(self) -> list[OpenRequest]:
@@ -159,10 +159,10 @@ class EngineFrontend:
         return delta
 
     @contextlib.contextmanager
-    def _utility_call(self, method: str) -> Iterator[int]:
+    def _utility_call(self, method: str, *args) -> Iterator[int]:
         """Sends a utility call and, until the block ends, tells the monitor an answer is due; yields the
         call's id (its `UtilityReply` carries it)."""
-        call_id = self._client.call(method)
+        call_id = self._client.call(method, *args)
         self._calls_pending += 1
         self._update_busy()
         try:

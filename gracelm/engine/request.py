@@ -105,14 +105,24 @@ class PromptError(ValueError):
         self.too_long = too_long
 
 
-def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int,
+                 max_tokens: int | None = None) -> None:
     """The one check of a prompt, before anything is queued: non-empty, known token ids, and shorter than
-    `max_model_len`, so that at least one token can be generated within the context. Raises `PromptError`."""
+    `max_model_len`, so that at least one token can be generated within the context. Raises `PromptError`
+    (an overflow in OpenAI's words, counting `max_tokens`, or the one token, as the completion)."""
     if not prompt_token_ids:
         raise PromptError("the prompt is empty")
     if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
         raise PromptError(f"prompt token ids must be integers in [0, {vocab_size})")
     if len(prompt_token_ids) >= max_model_len:
-        raise PromptError(f"the prompt has {len(prompt_token_ids)} tokens, more than max_model_len "
-                          f"({max_model_len}) allows: a prompt must be shorter than max_model_len, to leave "
-                          f"room for a generated token", too_long=True)
+        completion = max_tokens if max_tokens is not None else 1
+        raise PromptError(context_overflow_message(max_model_len, len(prompt_token_ids), completion),
+                          too_long=True)
+
+
+def context_overflow_message(max_model_len: int, num_prompt_tokens: int, num_completion_tokens: int) -> str:
+    """OpenAI's words for a request over the context, which clients match ("maximum context length")."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + num_completion_tokens} tokens ({num_prompt_tokens} in the messages, "
+            f"{num_completion_tokens} in the completion). Please reduce the length of the messages or "
+            f"completion.")

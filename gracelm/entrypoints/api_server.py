@@ -27,7 +27,9 @@ import gracelm.startup_timeline as startup_timeline
 from gracelm.config import EngineConfig
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.messages import CoreState
+from gracelm.entrypoints.chat_template_option import read_chat_template
 from gracelm.entrypoints.server_config import ServerConfig
+from gracelm.entrypoints.serving_options import serving_options
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.last_shutdown import save_last_shutdown
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
@@ -37,6 +39,7 @@ from gracelm.lifecycle.server_state import Lifecycle, ServerState
 from gracelm.lifecycle.service_notifier import ServiceNotifier
 from gracelm.lifecycle.signals import HANDLED_SIGNALS, SignalHandler, SignalPolicy, StartupInterrupted
 from gracelm.lifecycle.supervisor import Supervisor
+from gracelm.model.model_files import resolve_model_path
 
 logger = logging.getLogger("gracelm.server")
 
@@ -96,6 +99,9 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
         with signals.abandoning_startup(), notifier.loading(config.model or "the default model"):
             _record_resource_tracker(ledger)
             engine = AsyncEngine.from_config(config, ledger=ledger, on_fatal=supervisor.on_engine_fatal)
+            served = serving_options(settings, engine.model_name, resolve_model_path(config.model))
+            if settings.chat_template is not None:  # the frontend's tokenizer renders the messages
+                engine.tokenizer.chat_template = read_chat_template(settings.chat_template)
             startup_timeline.mark("frontend")
             http_stack.join()  # done already, unless the core was ready before FastAPI was imported
             import uvicorn
@@ -118,15 +124,17 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
     reserve_metric_files(lambda error: loop.call_soon_threadsafe(supervisor.fail, str(error)))
     try:
         try:
-            metrics = ServerMetrics(engine.runtime_dir / "prometheus",
-                                    settings.served_model_name or engine.model_name,
-                                    tuple(s.value for s in Lifecycle), tuple(s.value for s in CoreState))
+            metrics = ServerMetrics(engine.runtime_dir / "prometheus", served.model_name,
+                                    tuple(s.value for s in Lifecycle), tuple(s.value for s in CoreState),
+                                    vllm_names=settings.metrics_names == "vllm",
+                                    max_model_len=engine.config.max_model_len)
         except OSError as exc:  # no room for its first files
             logger.error("start-up failed: %s", exc)
             return _stopped(engine.shutdown(timeout=0), ExitCode.STARTUP_FAILURE, config, settings, state)
         ledger.acquire(ResourceKind.DIRECTORY, f"prometheus dir {metrics.directory}", metrics.close)
-        server = HttpServer(uvicorn.Config(build_app(engine, settings, state, metrics, ledger),
-                                           log_config=None, timeout_graceful_shutdown=5,
+        server = HttpServer(uvicorn.Config(build_app(engine, settings, state, metrics, ledger, served),
+                                           log_config=None, log_level=settings.uvicorn_log_level,
+                                           timeout_graceful_shutdown=5,
                                            http=header_timeout_protocol(settings.header_timeout)))
         supervisor.server = server
         _start_notifier(notifier, server, state, engine, ledger)

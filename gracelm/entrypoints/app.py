@@ -48,6 +48,7 @@ from gracelm.entrypoints.request_limits import RequestLimits
 from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.entrypoints.serving_chat import ServingChat
 from gracelm.entrypoints.serving_completion import ServingCompletion
+from gracelm.entrypoints.serving_options import ServingOptions
 from gracelm.entrypoints.stats_logger import log_stats_forever
 from gracelm.entrypoints.status_page import status_router
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
@@ -57,9 +58,9 @@ logger = logging.getLogger("gracelm.server")
 
 
 def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, metrics: ServerMetrics,
-              ledger: Ledger) -> FastAPI:
+              ledger: Ledger, served: ServingOptions) -> FastAPI:
     """The FastAPI app serving `engine`; its lifespan moves `state` to RUNNING and back to STOPPING."""
-    model_name = settings.served_model_name or engine.model_name
+    model_name = served.model_name
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -85,8 +86,8 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     install_openapi(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)
     limits = RequestLimits(settings.max_stop_strings, settings.max_stop_chars)
-    chat = ServingChat(engine, state, metrics, model_name, limits)
-    completion = ServingCompletion(engine, state, metrics, model_name, limits)
+    chat = ServingChat(engine, state, metrics, served, limits)
+    completion = ServingCompletion(engine, state, metrics, served, limits)
 
     @app.get("/health", responses=probe(HealthStatus, "The engine is dead."))
     async def health() -> JSONResponse:
@@ -105,6 +106,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
             # The engine may end while we ask; the scrape still answers, with the lifecycle state saying so.
             with contextlib.suppress(EngineDeadError):
                 metrics.set_engine_stats(await engine.stats())
+                metrics.observe_request_timings(await engine.request_timings(metrics.timings_seen))
         else:
             metrics.set_core_state(None)
         metrics.set_lifecycle(state.lifecycle.value)
@@ -121,8 +123,8 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
 
     @v1.get("/models", responses=answers(ModelList, 401, 500))
     async def models() -> dict:
-        card = ModelCard(id=model_name, max_model_len=engine.config.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        cards = [ModelCard(id=name, max_model_len=engine.config.max_model_len) for name in served.model_names]
+        return ModelList(data=cards).model_dump()
 
     @v1.post("/chat/completions", responses=generation(ChatCompletionResponse, ChatCompletionChunk),
              openapi_extra=json_body(ChatCompletionRequest))

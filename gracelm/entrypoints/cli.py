@@ -89,11 +89,28 @@ def _merge_model_argument(args: argparse.Namespace) -> None:
     """`gracelm serve MODEL` and `gracelm serve --model MODEL` mean the same; both at once must agree."""
     positional = args.model_path
     if positional is None:
+        positional = _trailing_model(args)
+    if positional is None:
         return
     given = getattr(args, "model", None)
     if given is not None and given != positional:
         raise ValueError(f"two different models given: {positional!r} and --model {given!r}")
     args.model = positional
+
+
+def _trailing_model(args: argparse.Namespace) -> str | None:
+    """MODEL after a repeatable option's values (`serve --api-key a b MODEL`) is read by argparse as one
+    more value. The rule: when no model is named otherwise and the command line ends with an occurrence
+    of a repeatable option that took two words or more, its last word is MODEL (so `--api-key KEY MODEL`
+    means what it meant when the option took one value); `--api-key a --api-key b` keeps both as keys."""
+    last = getattr(args, "last_repeated", None)
+    if last is None or getattr(args, "model", None) is not None:
+        return None
+    dest, words = last
+    if len(words) < 2 or args.argv[-len(words):] != words:
+        return None
+    getattr(args, dest).pop()
+    return words[-1]
 
 
 def run_deploy(args: argparse.Namespace) -> int:
@@ -130,9 +147,20 @@ def _add_deploy_parsers(commands: argparse._SubParsersAction) -> None:
         parser.set_defaults(handler=run_deploy)
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an unknown argument is its usage error (its usage, exit code 2), not the top
+    level's, which would print `gracelm`'s usage instead of the subcommand's."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gracelm", description="An LLM inference server.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)
@@ -145,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # read by `_trailing_model`
     level = logging.INFO if args.command == "serve" else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.handler(args)

@@ -56,7 +56,7 @@ def render(target: str, args: argparse.Namespace) -> str:
         overrides = _kubernetes_overrides(given, deploy)
     engine = options.from_args(EngineConfig, args, **{k: v for k, v in overrides.items()
                                                         if k in _fields(EngineConfig)})
-    server = options.from_args(ServerConfig, args, api_key=None,
+    server = options.from_args(ServerConfig, args, api_key=[],
                                **{k: v for k, v in overrides.items() if k in _fields(ServerConfig)})
     _refuse(target, given, engine, server)
     flags = _serve_flags(given, engine, server, overrides)

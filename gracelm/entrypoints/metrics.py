@@ -4,6 +4,10 @@ prometheus_client picks its multiprocess value store from `PROMETHEUS_MULTIPROC_
 and when each metric is built, so `ServerMetrics` sets the variable first and builds its metrics after
 (only this process writes metrics: the engine core's figures are read from it at each scrape).
 `close()` removes the directory: no file outlives the instance.
+
+Names: every metric is `gracelm_*`. With `--metrics-names vllm` those vLLM also has are exported a second
+time under vLLM's name (`vllm:*`) and labels (`model_name`, `engine`), so that dashboards made for vLLM
+work unchanged; gracelm's own (lifecycle, faults, start-up, restored KV) keep their one name.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from gracelm.entrypoints.throughput_history import ThroughputHistory
 
@@ -20,6 +25,7 @@ _ENV = "PROMETHEUS_MULTIPROC_DIR"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 60.0)
 ITL_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.4, 0.8, 2.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+N_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Where a request's own fault may end it (containment; the engine serves on): its stages in the engine core,
 # then the frontend's.
@@ -30,67 +36,107 @@ class ServerMetrics:
     """The server's metrics: request counters and latencies observed here, engine gauges read at scrape."""
 
     def __init__(self, directory: Path, model_name: str, lifecycle_states: tuple[str, ...],
-                 core_states: tuple[str, ...] = ()) -> None:
+                 core_states: tuple[str, ...] = (), *, vllm_names: bool = False,
+                 max_model_len: int | None = None) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=False)
         os.environ[_ENV] = str(directory)
-        from prometheus_client import Counter, Gauge, Histogram, values
+        from prometheus_client import values
 
         # Re-read the variable in case prometheus_client was imported before it was set.
         values.ValueClass = values.get_value_class()
         label = {"model_name": model_name}
         self._label = label
+        self._vllm_names = vllm_names
         self._states = lifecycle_states
         self._core_states = core_states
         # Plain running totals of this process, for the periodic stats log line's throughput.
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
         self.throughput = ThroughputHistory()  # the status page's chart
+        self._engine_totals: dict[str, int] = {}  # the core's running counts already added to counters
+        self.timings_seen = 0  # the core's phase-timing records observed (`RequestTimings`)
+        token_buckets = _one_two_five(max_model_len or 1 << 20)
 
-        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, doc, [*label, *extra], registry=None, multiprocess_mode="mostrecent")
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = (), vllm: bool = False) -> _Metric:
+            return self._metric("Gauge", name, doc, extra, vllm, multiprocess_mode="mostrecent")
 
-        self.running = gauge("gracelm_num_requests_running", "Requests the engine is running.")
-        self.waiting = gauge("gracelm_num_requests_waiting", "Requests waiting in the engine's queue.")
-        self.kv_usage = gauge("gracelm_kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).")
-        self.kv_total = gauge("gracelm_kv_cache_blocks_total", "KV-cache blocks in the pool.")
-        self.kv_free = gauge("gracelm_kv_cache_blocks_free", "KV-cache blocks free (cached ones included).")
-        self.prefix_hit_rate = gauge("gracelm_prefix_cache_hit_rate",
-                                     "Prefix-cache hits over queries since start (0..1).")
-        self.kv_restored = gauge("gracelm_kv_restored_blocks",
-                                 "Prefix-cache blocks restored from --kv-cache-dir at start.")
-        self.kv_restored_hits = gauge("gracelm_kv_restored_block_hits",
+        def counter(name: str, doc: str, extra: tuple[str, ...] = (), vllm: bool = True) -> _Metric:
+            return self._metric("Counter", name, doc, extra, vllm)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], vllm: bool = True) -> _Metric:
+            return self._metric("Histogram", name, doc, (), vllm, buckets=buckets)
+
+        self.running = gauge("num_requests_running", "Requests the engine is running.", vllm=True)
+        self.waiting = gauge("num_requests_waiting", "Requests waiting in the engine's queue.", vllm=True)
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", vllm=True)
+        self.kv_total = gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.")
+        self.kv_free = gauge("kv_cache_blocks_free", "KV-cache blocks free (cached ones included).")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits over queries since start "
+                                     "(0..1).")
+        self.kv_restored = gauge("kv_restored_blocks", "Prefix-cache blocks restored from --kv-cache-dir at "
+                                 "start.")
+        self.kv_restored_hits = gauge("kv_restored_block_hits",
                                       "Prefix-cache hits, in blocks, on blocks restored from --kv-cache-dir.")
-        self.lifecycle = gauge("gracelm_lifecycle_state", "1 for the server's current lifecycle state.",
-                               ("state",))
-        self.core_state = gauge("gracelm_engine_core_state",
+        self.lifecycle = gauge("lifecycle_state", "1 for the server's current lifecycle state.", ("state",))
+        self.core_state = gauge("engine_core_state",
                                 "1 for the engine core's shutdown state (running, requested, shutting_down).",
                                 ("state",))
-        self.startup_phase = gauge("gracelm_startup_phase_seconds",
+        self.startup_phase = gauge("startup_phase_seconds",
                                    "Seconds each phase of the start took (set once; phase total: all).",
                                    ("phase",))
-        self.prompt_tokens = Counter("gracelm_prompt_tokens", "Prompt tokens processed.", [*label],
-                                     registry=None)
-        self.generation_tokens = Counter("gracelm_generation_tokens", "Tokens generated.", [*label],
-                                         registry=None)
-        self.finished = Counter("gracelm_request_success", "Finished requests by finish reason.",
-                                [*label, "finished_reason"], registry=None)
-        self.ttft = Histogram("gracelm_time_to_first_token_seconds", "Time to first token.", [*label],
-                              buckets=TTFT_BUCKETS, registry=None)
-        self.itl = Histogram("gracelm_inter_token_latency_seconds", "Time between two outputs of a request.",
-                             [*label], buckets=ITL_BUCKETS, registry=None)
-        self.e2e = Histogram("gracelm_e2e_request_latency_seconds", "Request latency, arrival to finish.",
-                             [*label], buckets=E2E_BUCKETS, registry=None)
-        self.request_faults = Counter("gracelm_request_faults", "Requests ended by a fault of their own "
-                                      "(finish_reason error; the engine served on), by stage.",
-                                      [*label, "stage"], registry=None)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.finished = counter("request_success", "Finished requests by finish reason.",
+                                ("finished_reason",))
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (their KV cache freed, to be "
+                                   "recomputed) for lack of KV-cache blocks.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two outputs of a request.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time a sequence waited in the engine's "
+                                    "queue before it was first scheduled.", E2E_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from a sequence's first "
+                                      "scheduling to its first token.", E2E_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from a sequence's first token to "
+                                     "its last.", E2E_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Time from a sequence's first "
+                                        "scheduling to its last token.", E2E_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Tokens generated for each "
+                                                   "request (all its n completions).", token_buckets)
+        self.request_n = histogram("request_params_n", "The n of each request.", N_BUCKETS)
+        self.request_max_tokens = histogram("request_params_max_tokens", "The max_tokens of each request "
+                                            "that set it.", token_buckets)
+        self.request_faults = counter("request_faults", "Requests ended by a fault of their own "
+                                      "(finish_reason error; the engine served on), by stage.", ("stage",),
+                                      vllm=False)
         self._faults_seen: dict[str, int] = {}
         # Label sets exist from the start, so a scrape shows every series at 0 rather than omitting them.
         for stage in FAULT_STAGES:
             self.request_faults.labels(**label, stage=stage)
         for reason in FINISH_REASONS:
             self.finished.labels(**label, finished_reason=reason)
-        for metric in (self.prompt_tokens, self.generation_tokens):
+        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                       self.preemptions):
             metric.labels(**label)
+
+    def _metric(self, kind: str, name: str, doc: str, extra: tuple[str, ...], vllm: bool,
+                **kwargs: object) -> _Metric:
+        """The metric `gracelm_<name>`, and `vllm:<name>` too when asked for and vLLM has it."""
+        import prometheus_client
+
+        cls = getattr(prometheus_client, kind)
+        labels = [*self._label, *extra]
+        parts = [(cls(f"gracelm_{name}", doc, labels, registry=None, **kwargs), {})]
+        if vllm and self._vllm_names:
+            parts.append((cls(f"vllm:{name}", doc, [*labels, "engine"], registry=None, **kwargs),
+                          {"engine": "0"}))
+        return _Metric(parts)
 
     def set_engine_stats(self, stats: dict) -> None:
         self.running.labels(**self._label).set(stats["num_running"])
@@ -104,6 +150,28 @@ class ServerMetrics:
                                                        if queries else 0.0)
         self.kv_restored.labels(**self._label).set(stats.get("kv_restored_blocks", 0))
         self.kv_restored_hits.labels(**self._label).set(stats.get("kv_restored_block_hits", 0))
+        for key, counter in (("prefix_cache_queries", self.prefix_queries),
+                             ("prefix_cache_hits", self.prefix_hits), ("num_preemptions", self.preemptions)):
+            self._count_up(key, counter, stats.get(key, 0))
+
+    def _count_up(self, key: str, counter: _Metric, total: int) -> None:
+        """Brings a counter up to the core's running total `total` of `key`."""
+        new = total - self._engine_totals.get(key, 0)
+        if new > 0:
+            counter.labels(**self._label).inc(new)
+            self._engine_totals[key] = total
+
+    def observe_request_timings(self, timings: dict) -> None:
+        """Observes the core's phase-timing records not seen yet (`engine.request_timings(timings_seen)`);
+        those another scrape observed meanwhile are skipped."""
+        records = timings["records"]
+        first = timings["count"] - len(records)  # the number of the first record given
+        for queue, prefill, decode, inference in records[max(0, self.timings_seen - first):]:
+            self.queue_time.labels(**self._label).observe(queue)
+            self.prefill_time.labels(**self._label).observe(prefill)
+            self.decode_time.labels(**self._label).observe(decode)
+            self.inference_time.labels(**self._label).observe(inference)
+        self.timings_seen = max(self.timings_seen, timings["count"])
 
     def set_request_faults(self, counts: dict[str, int]) -> None:
         """Brings the fault counter up to the engine's running counts, by stage."""
@@ -126,8 +194,9 @@ class ServerMetrics:
         for phase, seconds in phases.items():
             self.startup_phase.labels(**self._label, phase=phase).set(seconds)
 
-    def request_tracker(self, num_prompt_tokens: int) -> RequestTracker:
-        return RequestTracker(self, num_prompt_tokens)
+    def request_tracker(self, num_prompt_tokens: int, n: int = 1,
+                        max_tokens: int | None = None) -> RequestTracker:
+        return RequestTracker(self, num_prompt_tokens, n, max_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text of every process's metrics, and its content type."""
@@ -149,12 +218,16 @@ class ServerMetrics:
 class RequestTracker:
     """Observes one request's latencies and token counts as its outputs arrive."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, n: int,
+                 max_tokens: int | None) -> None:
         self._m = metrics
         self._label = metrics._label
         self._arrival = time.monotonic()
         self._last: float | None = None
         self._num_prompt_tokens = num_prompt_tokens
+        self._n = n
+        self._max_tokens = max_tokens
+        self._num_generated = 0
 
     def on_output(self, num_new: int) -> None:
         """Called with each output's new tokens (all `n` completions together)."""
@@ -168,11 +241,57 @@ class RequestTracker:
         else:
             self._m.itl.labels(**self._label).observe(now - self._last)
         self._m.generation_tokens.labels(**self._label).inc(num_new)
+        self._num_generated += num_new
         self._m.totals["generation_tokens"] += num_new
         self._m.throughput.add(num_new)
         self._last = now
 
     def on_finish(self, finish_reasons: list[str | None]) -> None:
-        self._m.e2e.labels(**self._label).observe(time.monotonic() - self._arrival)
+        m, label = self._m, self._label
+        m.e2e.labels(**label).observe(time.monotonic() - self._arrival)
+        m.request_prompt_tokens.labels(**label).observe(self._num_prompt_tokens)
+        m.request_generation_tokens.labels(**label).observe(self._num_generated)
+        m.request_n.labels(**label).observe(self._n)
+        if self._max_tokens is not None:
+            m.request_max_tokens.labels(**label).observe(self._max_tokens)
         for reason in finish_reasons:
             self._m.finished.labels(**self._label, finished_reason=reason or "abort").inc()
+
+
+class _Metric:
+    """One metric under one or two names (`ServerMetrics._metric`); `labels()` gives a child that updates
+    each."""
+
+    def __init__(self, parts: list[tuple[Any, dict[str, str]]]) -> None:
+        self._parts = parts
+
+    def labels(self, **labels: str) -> _Children:
+        return _Children([metric.labels(**labels, **extra) for metric, extra in self._parts])
+
+
+class _Children:
+    def __init__(self, children: list[Any]) -> None:
+        self._children = children
+
+    def inc(self, amount: float = 1) -> None:
+        for child in self._children:
+            child.inc(amount)
+
+    def set(self, value: float) -> None:
+        for child in self._children:
+            child.set(value)
+
+    def observe(self, value: float) -> None:
+        for child in self._children:
+            child.observe(value)
+
+
+def _one_two_five(limit: int) -> tuple[int, ...]:
+    """Buckets 1, 2, 5, 10, 20, 50, ... up to `limit` (token counts: a request's are at most the context)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10

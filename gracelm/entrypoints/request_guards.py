@@ -60,25 +60,35 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def api_key_dependency(api_key: str) -> APIKeyBearer:
-    """A FastAPI dependency demanding `Authorization: Bearer <api_key>` (see `APIKeyBearer`)."""
-    return APIKeyBearer(api_key)
+def api_key_dependency(api_keys: list[str]) -> APIKeyBearer:
+    """A FastAPI dependency demanding `Authorization: Bearer <key>`, any of `api_keys` (`APIKeyBearer`)."""
+    return APIKeyBearer(api_keys)
+
+
+def is_valid_key(token: bytes, api_keys: list[str]) -> bool:
+    """Whether `token` is one of the keys, compared as UTF-8 bytes in constant time: every key is compared,
+    so the time says nothing about which key, or how much of one, matched."""
+    matched = False
+    for key in api_keys:
+        matched |= hmac.compare_digest(token, key.encode("utf-8"))
+    return matched
 
 
 class APIKeyBearer(HTTPBearer):
-    """Demands `Authorization: Bearer <api_key>`, compared in constant time as UTF-8 bytes: the server reads
-    headers as latin-1 (HTTP's own rule), so the header's original bytes are those of its latin-1 text, and
-    a non-ASCII key sent as UTF-8 matches. A FastAPI security scheme, so that the OpenAPI schema declares it
-    on the routes that need it; a missing or malformed header is our 401 with OpenAI's body, not FastAPI's."""
+    """Demands `Authorization: Bearer <key>` with one of the keys, compared in constant time as UTF-8
+    bytes: the server reads headers as latin-1 (HTTP's own rule), so the header's original bytes are those
+    of its latin-1 text, and a non-ASCII key sent as UTF-8 matches. A FastAPI security scheme, so that the
+    OpenAPI schema declares it on the routes that need it; a missing or malformed header is our 401 with
+    OpenAI's body, not FastAPI's."""
 
-    def __init__(self, api_key: str) -> None:
-        super().__init__(scheme_name="APIKey", description="The server's API key (`--api-key`).",
+    def __init__(self, api_keys: list[str]) -> None:
+        super().__init__(scheme_name="APIKey", description="One of the server's API keys (`--api-key`).",
                          auto_error=False)
-        self._expected = api_key.encode("utf-8")
+        self._keys = list(api_keys)
 
     async def __call__(self, request: Request) -> None:  # type: ignore[override]  # checks, returns nothing
         credentials = await super().__call__(request)
         token = credentials.credentials.strip().encode("latin-1") if credentials is not None else None
-        if token is None or not hmac.compare_digest(token, self._expected):
+        if token is None or not is_valid_key(token, self._keys):
             raise APIError(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -7,19 +7,43 @@ import os
 from dataclasses import dataclass
 
 from gracelm import options
+from gracelm.entrypoints import tool_parsers
+from gracelm.entrypoints.chat_template_option import chat_template_problem
+from gracelm.entrypoints.generation_defaults import generation_config_problem
 from gracelm.lifecycle.last_shutdown import writable_dir_problem
 from gracelm.options import at_least, in_range, option
 
 API_KEY_ENV = "GRACELM_API_KEY"
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+METRICS_NAMES = ("gracelm", "vllm")
 
 
 @dataclass
 class ServerConfig:
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8000, "port to bind (0: any free one)", check=in_range(0, 65535))
-    api_key: str | None = option(None, f"require `Authorization: Bearer KEY` on /v1 routes (or set "
-                                       f"{API_KEY_ENV})")
-    served_model_name: str | None = option(None, "the model name clients use (default: the model's)")
+    api_key: list[str] = option([], f"require `Authorization: Bearer KEY` on /v1 routes, any of these "
+                                    f"keys (or set {API_KEY_ENV} to one)")
+    served_model_name: list[str] = option([], "the model names clients may use; the first is the one "
+                                              "reported (default: the model's)")
+    chat_template: str | None = option(None, "a chat template, as a file path or inline Jinja text, used "
+                                             "instead of the model's", check=chat_template_problem)
+    generation_config: str = option("auto", "sampling defaults for fields a request leaves out: auto (the "
+                                            "model's generation_config.json), vllm (gracelm's own), or a "
+                                            "folder holding a generation_config.json",
+                                        check=generation_config_problem)
+    max_logprobs: int = option(20, "answer 400 to a request asking for more logprobs or top_logprobs "
+                                   "(20 is the engine's limit)", check=in_range(0, 20))
+    disable_log_requests: bool = option(False, "do not log each request's id, prompt length and sampling "
+                                               "parameters (logged at INFO by default)")
+    uvicorn_log_level: str = option("info", "log level of the HTTP server (uvicorn)",
+                                    choices=UVICORN_LOG_LEVELS)
+    metrics_names: str = option("gracelm", "the names /metrics exports: gracelm (gracelm_*), or vllm "
+                                           "(gracelm_* and also vLLM's vllm:* names and labels, for its "
+                                           "dashboards)", choices=METRICS_NAMES)
+    tool_call_parser: str = option("auto", "how tool calls are read from the model's output: auto (from the "
+                                           "chat template), or a family's parser by vLLM's name",
+                                   choices=tool_parsers.NAMES)
     max_waiting_requests: int | None = option(None, "answer 503 when this many admitted requests wait to "
                                                     "start (default: no limit)", check=at_least(1))
     max_request_body_bytes: int = option(1 << 20, "answer 413 to larger request bodies", check=at_least(1))
@@ -37,9 +61,13 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         options.validate(self)
+        for name in ("api_key", "served_model_name"):
+            if any(not value for value in getattr(self, name)):
+                raise ValueError(f"{name} must not be empty")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
         """Raises `ValueError` on invalid values; the API key may come from the environment."""
-        api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+        env_key = os.environ.get(API_KEY_ENV)
+        api_key = getattr(args, "api_key", None) or ([env_key] if env_key else [])
         return options.from_args(cls, args, api_key=api_key)

@@ -13,6 +13,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -20,11 +21,12 @@ from pydantic import BaseModel
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from gracelm.engine.request import PromptError
+from gracelm.engine.request import PromptError, context_overflow_message
 from gracelm.entrypoints.api_errors import APIError, from_value_error
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import SamplingFields, Usage
 from gracelm.entrypoints.request_limits import RequestLimits
+from gracelm.entrypoints.serving_options import ServingOptions
 from gracelm.lifecycle.server_state import Admission, ServerState
 from gracelm.sampling_params import SamplingParams
 
@@ -36,12 +38,13 @@ DONE = "data: [DONE]\n\n"
 class ServingBase:
     """One endpoint's access to the engine; subclasses turn requests and outputs into OpenAI's shapes."""
 
-    def __init__(self, engine: AsyncEngine, state: ServerState, metrics: ServerMetrics, model_name: str,
-                 limits: RequestLimits) -> None:
+    def __init__(self, engine: AsyncEngine, state: ServerState, metrics: ServerMetrics,
+                 served: ServingOptions, limits: RequestLimits) -> None:
         self.engine = engine
         self.state = state
         self.metrics = metrics
-        self.model_name = model_name
+        self.served = served
+        self.model_name = served.model_name
         self.limits = limits
 
     @staticmethod
@@ -49,9 +52,17 @@ class ServingBase:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     def check_model(self, requested: str | None) -> None:
-        if requested is not None and requested != self.model_name:
-            raise APIError(404, f"the model `{requested}` does not exist; this server serves "
-                                f"`{self.model_name}`", param="model", code="model_not_found")
+        if requested is not None and requested not in self.served.model_names:
+            names = ", ".join(f"`{name}`" for name in self.served.model_names)
+            raise APIError(404, f"the model `{requested}` does not exist; this server serves {names}",
+                           param="model", code="model_not_found")
+
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        """`--max-logprobs` bounds `logprobs` (completions) and `top_logprobs` (chat)."""
+        limit = self.served.max_logprobs
+        if value is not None and not 0 <= value <= limit:
+            raise APIError(400, f"{param} must be between 0 and {limit} (this server's --max-logprobs), got "
+                                f"{value}", param=param, code="limit_exceeded")
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
@@ -62,20 +73,22 @@ class ServingBase:
                       ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
                       logprobs=logprobs, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                       min_p=req.min_p, repetition_penalty=req.repetition_penalty)
+        # Fields the client left out take the model's generation defaults (--generation-config), if any,
+        # else SamplingParams' own; max_tokens left out runs to the end of the context.
+        defaults = self.served.defaults
+        fields = {k: defaults[k] if v is None and k in defaults else v for k, v in fields.items()}
         try:
-            # Fields the client left out keep SamplingParams' defaults.
             return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
         except ValueError as exc:
             raise from_value_error(exc) from None
 
     def check_room(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
-        """Room for `max_tokens` after a prompt that fits: a 400 naming max_tokens. The prompt itself is the
-        engine's to check (`start`), once."""
+        """Room for `max_tokens` after a prompt that fits: a 400 naming max_tokens, in OpenAI's words. The
+        prompt itself is the engine's to check (`start`), once."""
         limit = self.engine.config.max_model_len
         assert limit is not None
         if max_tokens is not None and len(prompt_token_ids) <= limit < len(prompt_token_ids) + max_tokens:
-            raise APIError(400, f"this model's context is {limit} tokens, but {len(prompt_token_ids)} prompt "
-                                f"tokens plus max_tokens={max_tokens} exceed it; lower max_tokens",
+            raise APIError(400, context_overflow_message(limit, len(prompt_token_ids), max_tokens),
                            param="max_tokens", code="context_length_exceeded")
 
     def start(self, prompt_token_ids: list[int], params: SamplingParams, id_prefix: str,
@@ -85,6 +98,9 @@ class ServingBase:
         released when the answer ends (`sse`, `final_output`); it is marked started at the first output."""
         request_id = self.new_request_id(id_prefix)
         admission = self.state.admit()
+        if self.served.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt_token_ids),
+                        _params_summary(params))
         try:
             deltas = self.engine.generate(prompt_token_ids, params, request_id, delta=True)
         except PromptError as exc:
@@ -97,11 +113,11 @@ class ServingBase:
         except BaseException:
             admission.release()
             raise
-        return Run(request_id, admission, self._tracked(deltas, len(prompt_token_ids), admission))
+        return Run(request_id, admission, self._tracked(deltas, len(prompt_token_ids), params, admission))
 
     async def _tracked(self, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
-                       admission: Admission) -> AsyncGenerator[RequestOutput]:
-        tracker = self.metrics.request_tracker(num_prompt_tokens)
+                       params: SamplingParams, admission: Admission) -> AsyncGenerator[RequestOutput]:
+        tracker = self.metrics.request_tracker(num_prompt_tokens, params.n, params.max_tokens)
         finish_reasons: dict[int, str | None] = {}
         try:
             async with contextlib.aclosing(deltas) as outs:
@@ -223,6 +239,19 @@ class _AdmittedStream(StreamingResponse):
             await self._events.aclose()
             await self._run.deltas.aclose()
             self._run.admission.release()
+
+
+def _params_summary(params: SamplingParams) -> str:
+    """The sampling fields a request set (those unlike the defaults), for the request log line; never the
+    prompt's or stop strings' text."""
+    fields = msgspec.structs.asdict(params)
+    shown = {k: v for k, v in fields.items() if k != "stop" and v != getattr(_DEFAULT_PARAMS, k)}
+    if params.stop:
+        shown["stop"] = f"{len(params.stop)} strings"
+    return ", ".join(f"{k}={v}" for k, v in shown.items()) or "default sampling"
+
+
+_DEFAULT_PARAMS = SamplingParams()
 
 
 def sse_data(payload: BaseModel | dict | str, exclude: set[str] | None = None) -> str:

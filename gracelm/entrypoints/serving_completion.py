@@ -26,6 +26,7 @@ class ServingCompletion(ServingBase):
         self.check_model(req.model)
         if req.echo:
             raise APIError(400, "echo is not supported", param="echo")
+        self.check_logprobs(req.logprobs, "logprobs")
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
         prompt_ids = self._prompt_ids(req.prompt)
         self.check_room(prompt_ids, req.max_tokens)

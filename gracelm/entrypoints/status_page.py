@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import hmac
 import importlib.resources
 import logging
 import re
@@ -36,7 +35,7 @@ from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.output_processor import OpenRequest
 from gracelm.entrypoints.api_errors import APIError
 from gracelm.entrypoints.metrics import ServerMetrics
-from gracelm.entrypoints.request_guards import api_key_dependency
+from gracelm.entrypoints.request_guards import api_key_dependency, is_valid_key
 from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.lifecycle.last_shutdown import load_last_shutdown
 from gracelm.lifecycle.server_state import Lifecycle, ServerState
@@ -170,14 +169,14 @@ def _drain_view(state: ServerState, engine: AsyncEngine, grace_period: float, no
             "requests_left": state.num_active}
 
 
-def _check_page_key(request: Request, api_key: str) -> None:
-    """The page's key: `?key=` or the API's header, compared in constant time as UTF-8 bytes."""
-    expected = api_key.encode("utf-8")
+def _check_page_key(request: Request, api_keys: list[str]) -> None:
+    """The page's key, one of the API's: `?key=` or the API's header, compared in constant time as UTF-8
+    bytes."""
     given = request.query_params.get("key")
-    if given is not None and hmac.compare_digest(given.encode("utf-8"), expected):
+    if given is not None and is_valid_key(given.encode("utf-8"), api_keys):
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), expected):
+    if scheme.lower() == "bearer" and is_valid_key(token.strip().encode("latin-1"), api_keys):
         return
     raise APIError(401, "missing or invalid API key; open /status?key=<key>", code="invalid_api_key")
 
