@@ -83,8 +83,9 @@ def check_grammar(constraint: StructuredOutputs, field: str) -> None:
         error = LLMatcher.validate_grammar(constraint.grammar_text())
     except (ValueError, TypeError) as exc:
         error = str(exc)
-    if error:
-        raise ValueError(f"SamplingParams.{field} is not a valid {_kind(constraint)}: {error.strip()}")
+    if error:  # llguidance goes on with the grammar and the parser's state: the first line says it
+        first = error.strip().splitlines()[0]
+        raise ValueError(f"SamplingParams.{field} is not a valid {_kind(constraint)}: {first}")
 
 
 def _kind(constraint: StructuredOutputs) -> str:

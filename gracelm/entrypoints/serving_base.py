@@ -22,6 +22,7 @@ from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from gracelm.engine.request import PromptError, context_overflow_message
+from gracelm.entrypoints import prompt_batch
 from gracelm.entrypoints.api_errors import APIError, from_value_error
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import SamplingFields, Usage
@@ -72,7 +73,10 @@ class ServingBase:
                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                       ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
                       logprobs=logprobs, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                      min_p=req.min_p, repetition_penalty=req.repetition_penalty)
+                      min_p=req.min_p, repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+                      include_stop_str_in_output=req.include_stop_str_in_output,
+                      skip_special_tokens=req.skip_special_tokens,
+                      spaces_between_special_tokens=req.spaces_between_special_tokens)
         # Fields the client left out take the model's generation defaults (--generation-config), if any,
         # else SamplingParams' own; max_tokens left out runs to the end of the context.
         defaults = self.served.defaults
@@ -91,29 +95,38 @@ class ServingBase:
             raise APIError(400, context_overflow_message(limit, len(prompt_token_ids), max_tokens),
                            param="max_tokens", code="context_length_exceeded")
 
-    def start(self, prompt_token_ids: list[int], params: SamplingParams, id_prefix: str,
-              prompt_param: str) -> Run:
-        """Admits the request and starts it in the engine, which checks the prompt (a 400 naming
+    async def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                    prompt_param: str) -> Run:
+        """Admits the request and starts each of its prompts in the engine (several only for a batch of
+        completions prompts: one engine request each, `prompt_batch.py`), which checks them (a 400 naming
         `prompt_param`). Its deltas come with metrics; closing them aborts the request. The admission is
         released when the answer ends (`sse`, `final_output`); it is marked started at the first output."""
-        request_id = self.new_request_id(id_prefix)
         admission = self.state.admit()
         if self.served.log_requests:
-            logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt_token_ids),
-                        _params_summary(params))
+            logger.info("request %s: %s prompt tokens, %s", request_id,
+                        "+".join(str(len(p)) for p in prompts), _params_summary(params))
+        engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = []
         try:
-            deltas = self.engine.generate(prompt_token_ids, params, request_id, delta=True)
-        except PromptError as exc:
+            for engine_id, ids in zip(engine_ids, prompts, strict=True):
+                deltas = self.engine.generate(ids, params, engine_id, delta=True)
+                streams.append(self._tracked(deltas, len(ids), params, admission))
+        except BaseException as exc:
             admission.release()
-            code = "context_length_exceeded" if exc.too_long else "invalid_prompt"
-            raise APIError(400, str(exc), param=prompt_param, code=code) from None
-        except EngineDeadError as exc:
-            admission.release()
-            raise _engine_dead(exc) from None
-        except BaseException:
-            admission.release()
+            for engine_id in engine_ids[:len(streams)]:
+                await self.engine.abort(engine_id)
+            if isinstance(exc, PromptError):
+                code = "context_length_exceeded" if exc.too_long else "invalid_prompt"
+                param = prompt_param if len(prompts) == 1 else f"{prompt_param}.{len(streams)}"
+                raise APIError(400, str(exc), param=param, code=code) from None
+            if isinstance(exc, EngineDeadError):
+                raise _engine_dead(exc) from None
+            if isinstance(exc, ValueError):  # the id is in use by a request in flight
+                raise APIError(400, f"{exc}; send another X-Request-Id or request_id", param="request_id",
+                               code="invalid_value") from None
             raise
-        return Run(request_id, admission, self._tracked(deltas, len(prompt_token_ids), params, admission))
+        merged = streams[0] if len(streams) == 1 else prompt_batch.merged(request_id, streams, params.n)
+        return Run(request_id, admission, merged)
 
     async def _tracked(self, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
                        params: SamplingParams, admission: Admission) -> AsyncGenerator[RequestOutput]:

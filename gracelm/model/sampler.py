@@ -1,6 +1,7 @@
 """Picks the next token of every sequence of a batch from its logits, vectorised over the batch.
 
-Per step: penalties (repetition, then presence / frequency), then temperature, then the top-k, top-p and
+Per step: token constraints (the rows' allowed-token masks, then their additive biases), then penalties
+(repetition, then presence / frequency), then temperature, then the top-k, top-p and
 min-p filters, then one draw per row. Greedy rows (temperature 0) take the argmax of the penalised logits.
 
 Filters. Top-k keeps the k most probable tokens; top-p keeps, of those, the fewest most probable whose
@@ -54,6 +55,26 @@ def make_generator(seed: int) -> torch.Generator:
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     return generator
+
+
+@dataclass
+class TokenConstraints:
+    """The step's token constraints (`model/token_constraints.py` builds them): which tokens the masked
+    rows may sample, and additive biases as sparse `row * vocab_size + token` updates (-inf bans a token).
+    Only constrained rows are listed, so an unconstrained batch pays nothing."""
+
+    mask_rows: torch.Tensor | None  # int64 rows that have a mask
+    allowed: torch.Tensor | None  # [len(mask_rows), V] bool
+    bias_keys: torch.Tensor | None  # int64 flat keys; a key listed twice gets both biases
+    bias_values: torch.Tensor | None  # float32, per key
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Constrains `logits` [B, V] in place."""
+        if self.mask_rows is not None:
+            assert self.allowed is not None
+            logits[self.mask_rows] = logits[self.mask_rows].masked_fill_(~self.allowed, -torch.inf)
+        if self.bias_keys is not None:
+            logits.view(-1).index_add_(0, self.bias_keys, self.bias_values)
 
 
 @dataclass
@@ -275,15 +296,17 @@ class SamplingMetadata:
     greedy_rows: torch.Tensor | None  # int64 rows with temperature 0, when some rows are not
     groups: list[SamplingGroup]  # the random rows, by how they sample
     penalties: Penalties | None
+    constraints: TokenConstraints | None  # masks and biases of the constrained rows
     max_num_logprobs: int | None  # largest top-n asked in the batch; None: no row wants logprobs
     default_generator: torch.Generator | None  # None: torch's global generator
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
               prompt_token_ids: list[list[int]], output_token_ids: list[list[int]], vocab_size: int,
-              default_generator: torch.Generator | None = None) -> SamplingMetadata:
+              default_generator: torch.Generator | None = None,
+              constraints: TokenConstraints | None = None) -> SamplingMetadata:
         """Row i samples with `params[i]`, drawing from `generators[i]` (None: the default generator);
-        the token ids feed the penalties."""
+        the token ids feed the penalties; `constraints` are the rows' masks and biases."""
         if not len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError("SamplingMetadata.build: one entry per row is needed in every list")
         greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
@@ -293,6 +316,7 @@ class SamplingMetadata:
             greedy_rows=torch.tensor(greedy, dtype=torch.int64) if 0 < len(greedy) < len(params) else None,
             groups=_groups(params, generators, vocab_size),
             penalties=Penalties.build(params, prompt_token_ids, output_token_ids, vocab_size),
+            constraints=constraints,
             max_num_logprobs=max(asked) if asked else None, default_generator=default_generator,
         )
 
@@ -328,6 +352,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(nan=-_FLOAT_MAX, neginf=-_FLOAT_MAX)
+    if meta.constraints is not None:
+        meta.constraints.apply(logits)
     if meta.penalties is not None:
         meta.penalties.apply(logits)
     _finite(logits)

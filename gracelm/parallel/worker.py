@@ -10,6 +10,11 @@ belongs to one request. When the batch's sampling raises, each row is sampled ag
 and generator states it had before the batch began (so a request that did nothing wrong gets the token it
 would have got), and only the rows that raise again become `SamplingFault`s: their requests end with an
 error. Keeping those logits costs one copy of the sampled rows' logits per step with more than one row.
+
+Token constraints (structured outputs, logit_bias, allowed_token_ids, bad_words) keep per-request state
+here too (`model/token_constraints.py:ConstraintStates`), freed with the generators when a request ends:
+the constrained rows' masks and biases are built for the sampler, and each constrained row's grammar
+consumes the token it sampled; a constraint that fails is its request's fault.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
+from gracelm.model.token_constraints import ConstraintStates, has_constraints
 from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch
 from gracelm.parallel.layout import check_shardable, shard_config
 from gracelm.parallel.sharding import TensorParallelModel
@@ -51,6 +57,7 @@ class Worker:
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         self._generators: dict[str, torch.Generator] = {}
+        self._constraints: ConstraintStates | None = None  # made at the first constrained request
         self._default_generator = make_generator(config.seed)
 
     @property
@@ -122,17 +129,20 @@ class Worker:
             if len(rows) > 1 else None
         try:
             out = self._sample(logits, step, rows, generators)
-            return [self._sampled(out, row, step.params[row].logprobs) for row in rows]
+            sampled = [self._sampled(out, row, step.params[row].logprobs) for row in rows]
         except Exception:
             if kept is None:
                 return [self._fault(step, 0)]
             logger.warning("sampling a batch of %d rows raised; sampling each row alone", len(rows),
                            exc_info=True)
+        else:
+            return self._advance_constraints(step, sampled)
         original, states = kept
         for generator, state in zip(generators, states, strict=True):
             if generator is not None:
                 generator.set_state(state)
-        return [self._sample_alone(original, step, row, generators) for row in rows]
+        return self._advance_constraints(step, [self._sample_alone(original, step, row, generators)
+                                                for row in rows])
 
     def _sample_alone(self, logits: torch.Tensor, step: ModelStep, row: int,
                       generators: list[torch.Generator | None]) -> SampledToken | SamplingFault:
@@ -147,11 +157,36 @@ class Worker:
         """Samples `rows` of the step, whose logits are `logits` (one row each, in that order)."""
         params = [step.params[row] for row in rows]
         _injected_fault(params)
+        outputs = [step.output_token_ids[row] for row in rows]
+        constraints = None
+        if any(has_constraints(p) for p in params):
+            constraints = self._constraint_states().build([step.request_ids[row] for row in rows], params,
+                                                          outputs)
         meta = SamplingMetadata.build(params, [generators[row] for row in rows],
-                                      [step.prompt_token_ids[row] for row in rows],
-                                      [step.output_token_ids[row] for row in rows],
-                                      self.model_config.vocab_size, default_generator=self._default_generator)
+                                      [step.prompt_token_ids[row] for row in rows], outputs,
+                                      self.model_config.vocab_size, default_generator=self._default_generator,
+                                      constraints=constraints)
         return sample(logits, meta)
+
+    def _constraint_states(self) -> ConstraintStates:
+        if self._constraints is None:
+            assert self.loaded is not None
+            self._constraints = ConstraintStates(self.loaded.tokenizer, self.model_config.vocab_size)
+        return self._constraints
+
+    def _advance_constraints(self, step: ModelStep, sampled: list[SampledToken | SamplingFault],
+                             ) -> list[SampledToken | SamplingFault]:
+        """Each constrained row's grammar consumes the token it sampled; a row whose grammar refuses it (or
+        whose constraint failed) ends with a fault."""
+        if self._constraints is None:
+            return sampled
+        for row, token in enumerate(sampled):
+            if isinstance(token, SampledToken):
+                try:
+                    self._constraints.advance(step.request_ids[row], token.token_id)
+                except ValueError:
+                    sampled[row] = self._fault(step, row)
+        return sampled
 
     @staticmethod
     def _fault(step: ModelStep, row: int) -> SamplingFault:
@@ -162,6 +197,8 @@ class Worker:
     def release_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        if self._constraints is not None:
+            self._constraints.release(request_ids)
 
     def kv_layout(self) -> dict:
         """What the bytes of one block mean (part of a KV snapshot's fingerprint)."""
@@ -201,6 +238,7 @@ class Worker:
         self.shard = None
         self.loaded = None
         self._generators.clear()
+        self._constraints = None
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         """A seeded request draws from its own generator, so its tokens do not depend on its batch mates."""
