@@ -59,6 +59,11 @@ def from_validation_error(exc: pydantic.ValidationError) -> APIError:
     first = exc.errors()[0]
     if first["type"] == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    unknown = [".".join(map(str, e["loc"])) for e in exc.errors() if e["type"] == "extra_forbidden"]
+    if unknown:  # OpenAI's words, which clients match
+        plural = "s" if len(unknown) > 1 else ""
+        return APIError(400, f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}",
+                        param=unknown[0], code="unrecognized_argument")
     param = ".".join(str(part) for part in first["loc"]) or None
     message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
     return APIError(400, message, param=param, code="invalid_value")

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 import gracelm.startup_timeline as startup_timeline
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
+from gracelm.entrypoints import serving_tokenize
 from gracelm.entrypoints.api_errors import APIError, from_validation_error, install_error_handlers
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import (
@@ -29,8 +30,12 @@ from gracelm.entrypoints.openai_protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from gracelm.entrypoints.openapi_docs import (
     HealthStatus,
@@ -44,6 +49,7 @@ from gracelm.entrypoints.openapi_docs import (
     probe,
 )
 from gracelm.entrypoints.request_guards import BodySizeLimit, api_key_dependency
+from gracelm.entrypoints.request_ids import RequestIdHeader
 from gracelm.entrypoints.request_limits import RequestLimits
 from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.entrypoints.serving_chat import ServingChat
@@ -85,6 +91,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)
+    app.add_middleware(RequestIdHeader)
     limits = RequestLimits(settings.max_stop_strings, settings.max_stop_chars)
     chat = ServingChat(engine, state, metrics, served, limits)
     completion = ServingCompletion(engine, state, metrics, served, limits)
@@ -121,9 +128,13 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     deps = [Depends(api_key_dependency(settings.api_key))] if settings.api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=deps)
 
+    # What each served name stands for (vLLM's root: the model's path; no adapters, so no parent).
+    card_fields = {"max_model_len": engine.config.max_model_len,
+                   "root": engine.config.model or engine.model_name}
+
     @v1.get("/models", responses=answers(ModelList, 401, 500))
     async def models() -> dict:
-        cards = [ModelCard(id=name, max_model_len=engine.config.max_model_len) for name in served.model_names]
+        cards = [ModelCard(id=name, **card_fields) for name in served.model_names]
         return ModelList(data=cards).model_dump()
 
     @v1.post("/chat/completions", responses=generation(ChatCompletionResponse, ChatCompletionChunk),
@@ -137,6 +148,23 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
         return await completion.create(await _parse(raw_request, CompletionRequest), raw_request)
 
     app.include_router(v1)
+    tokens = APIRouter(dependencies=deps)  # vLLM serves these outside /v1
+
+    @tokens.post("/tokenize", responses=answers(TokenizeResponse, 400, 401, 500),
+                 openapi_extra=json_body(TokenizeRequest))
+    async def tokenize(raw_request: Request) -> dict:
+        req = await _parse(raw_request, TokenizeRequest)
+        chat.check_model(req.model)
+        return serving_tokenize.tokenize(engine, req).model_dump(exclude_none=True)
+
+    @tokens.post("/detokenize", responses=answers(DetokenizeResponse, 400, 401, 500),
+                 openapi_extra=json_body(DetokenizeRequest))
+    async def detokenize(raw_request: Request) -> dict:
+        req = await _parse(raw_request, DetokenizeRequest)
+        chat.check_model(req.model)
+        return serving_tokenize.detokenize(engine, req).model_dump()
+
+    app.include_router(tokens)
     app.include_router(status_router(engine, settings, state, metrics, model_name))
     return app
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import sys
 
@@ -160,6 +161,7 @@ class _SubcommandParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gracelm", description="An LLM inference server.")
+    parser.add_argument("--version", action="version", version=f"gracelm {_installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _add_serve_arguments(serve)
@@ -170,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=run_generate)
     _add_deploy_parsers(commands)
     return parser
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("gracelm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,13 @@
-"""OpenAI's request and response shapes (chat completions, completions, models, errors) as pydantic models.
+"""OpenAI's request and response shapes (chat completions, completions, models, tokenize, errors) as pydantic
+models.
 
-Requests accept OpenAI's fields plus vLLM's extra sampling fields; unknown fields are ignored, as vLLM does,
-so that clients sending newer OpenAI options still get an answer. Known fields are typed strictly, as OpenAI
-types them (`"n": "2"`, `"max_tokens": 16.0` or `"logprobs": 1` are refused, not coerced), so that a body is
-valid exactly when the published JSON schema says so.
+Requests list every field of OpenAI's chat completions and completions APIs and vLLM's extras; each is
+honoured, or refused with a 400 naming it when it asks for something this server does not do
+(`request_fields.UNSUPPORTED`; the choice for each field is in docs/api_fields.md). A field that is on
+neither list is refused as OpenAI refuses it ("Unrecognized request argument supplied: X"): a typo or a
+newer option never passes unnoticed. Known fields are typed strictly, as OpenAI types them (`"n": "2"`,
+`"max_tokens": 16.0` or `"logprobs": 1` are refused, not coerced), so that a body is valid exactly when the
+published JSON schema says so.
 """
 
 from __future__ import annotations
@@ -25,14 +29,16 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-# Request models: strict types, unknown fields ignored (see above).
-_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+# Request models: strict types, unknown fields refused (see above).
+_REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
     model_config = _REQUEST_CONFIG
 
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class SamplingFields(BaseModel):
@@ -42,6 +48,7 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     temperature: float | None = None
@@ -51,25 +58,65 @@ class SamplingFields(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None  # the endpoint decides the default
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    request_id: str | None = None
+    priority: int = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
         """Whether a streamed request asked for the usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether a streamed request asked for the usage in every chunk (vLLM's option)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class ChatMessage(BaseModel):
     model_config = _REQUEST_CONFIG
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -78,13 +125,74 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for the legacy completions endpoint
     logprobs: int | None = None
-    echo: bool = False
+    suffix: str | None = None
+    prompt_embeds: str | list[str] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a prompt, or chat messages through the chat template."""
+
+    model_config = _REQUEST_CONFIG
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _REQUEST_CONFIG
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class Usage(BaseModel):
@@ -137,6 +245,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -147,6 +256,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -183,6 +293,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -193,6 +304,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    service_tier: str | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -200,6 +312,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -219,6 +332,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "gracelm"
+    root: str | None = None  # what the served name stands for: the model's path
+    parent: str | None = None  # the model an adapter derives from; None for a base model
     max_model_len: int | None = None
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gracelm.engine.outputs import CompletionOutput, RequestOutput
+from gracelm.entrypoints import chat_prompt, request_ids
 from gracelm.entrypoints.api_errors import APIError
 from gracelm.entrypoints.openai_protocol import (
     AssistantMessage,
@@ -19,12 +19,12 @@ from gracelm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
     Usage,
 )
+from gracelm.entrypoints.request_fields import refuse_unsupported
 from gracelm.entrypoints.serving_base import ServingBase, StreamTally, final_usage, sse_data
 
 
@@ -32,62 +32,63 @@ class ServingChat(ServingBase):
     async def create(self, req: ChatCompletionRequest,
                      raw_request: Request) -> JSONResponse | StreamingResponse:
         self.check_model(req.model)
+        refuse_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=top)
-        prompt_ids = self._apply_template(req.messages)
+        assert self.engine.config.max_model_len is not None
+        prompt_ids = chat_prompt.prompt_ids(self.engine.tokenizer, req, self.engine.config.max_model_len)
         self.check_room(prompt_ids, max_tokens)
-        run = self.start(prompt_ids, params, "chatcmpl", "messages")
-        request_id = run.request_id
+        request_id = request_ids.assign(raw_request, req.request_id, "chatcmpl")
+        run = await self.start([prompt_ids], params, request_id, "messages")
+        echo = chat_prompt.echo_text(req)
+        # OpenAI names the tier that served the request when one was asked for: here, always the default.
+        tier = "default" if req.service_tier is not None else None
         if req.stream:
-            events = self._stream(request_id, run.deltas, len(prompt_ids), params.n, top, req.include_usage)
+            events = self._stream(request_id, run.deltas, len(prompt_ids), params.n, top, req, echo, tier)
             return self.sse(events, run)
         final = await self.final_output(raw_request, run)
-        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
-                              logprobs=self._logprobs(o, top), finish_reason=o.finish_reason)
+        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=echo + o.text),
+                              logprobs=self._logprobs(o, top), finish_reason=o.finish_reason,
+                              stop_reason=o.stop_reason)
                    for o in final.outputs]
         usage = final_usage(len(prompt_ids), final)
-        body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
+                                      service_tier=tier)
         return JSONResponse(body.model_dump())
 
-    def _apply_template(self, messages: list[ChatMessage]) -> list[int]:
-        plain = [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(messages)]
-        try:
-            return list(self.engine.tokenizer.apply_chat_template(plain, add_generation_prompt=True))
-        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
-            raise APIError(400, f"the messages do not fit the model's chat template: {exc}",
-                           param="messages") from None
-
     async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
-                      n: int, top: int | None, include_usage: bool) -> AsyncGenerator[str]:
-        """The SSE chunks of one request: a role chunk per choice, a chunk per delta of each choice, then
-        the usage chunk if asked and an error event if it was aborted or failed (`sse` adds `[DONE]`)."""
+                      n: int, top: int | None, req: ChatCompletionRequest, echo: str,
+                      tier: str | None) -> AsyncGenerator[str]:
+        """The SSE chunks of one request: a role chunk per choice (with the echoed text, if asked), a chunk
+        per delta of each choice, then the usage chunk if asked and an error event if it was aborted or
+        failed (`sse` adds `[DONE]`)."""
         created = int(time.time())
         tally = StreamTally(num_prompt_tokens)
+        usage_in_chunks = req.include_usage or req.continuous_usage
+
+        def chunk(choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
+            body = ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                       choices=[choice] if choice else [], usage=usage, service_tier=tier)
+            return sse_data(body, None if usage_in_chunks else {"usage"})
+
         for index in range(n):
-            role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-            yield self._chunk(request_id, created, include_usage, role)
+            yield chunk(ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=echo)))
         async for delta in deltas:
             for o in delta.outputs:
                 tally.add(o)
                 content = DeltaMessage(content=o.text) if o.text else DeltaMessage()
                 choice = ChatChunkChoice(index=o.index, delta=content, logprobs=self._logprobs(o, top),
-                                         finish_reason=o.finish_reason)
-                yield self._chunk(request_id, created, include_usage, choice)
-        if include_usage:
-            yield self._chunk(request_id, created, True, None, tally.usage())
+                                         finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                yield chunk(choice, tally.usage() if req.continuous_usage else None)
+        if req.include_usage:
+            yield chunk(None, tally.usage())
         event = tally.error_event(request_id)
         if event is not None:
             yield event
-
-    def _chunk(self, request_id: str, created: int, include_usage: bool, choice: ChatChunkChoice | None,
-               usage: Usage | None = None) -> str:
-        chunk = ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
-                                    choices=[choice] if choice else [], usage=usage)
-        return sse_data(chunk, None if include_usage else {"usage"})
 
     def _logprobs(self, o: CompletionOutput, top: int | None) -> ChatLogprobs | None:
         """OpenAI's per-token logprobs for the tokens of `o`."""
@@ -104,17 +105,3 @@ class ServingChat(ServingBase):
                                             top_logprobs=alternatives))
         return ChatLogprobs(content=content)
 
-
-def _text_of(message: ChatMessage, index: int) -> str:
-    """A message's content as text; content parts other than text are refused, this server reads text."""
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    texts = []
-    for part in message.content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"messages[{index}]: only text content parts are supported, got "
-                                f"{part.get('type')!r}", param=f"messages.{index}.content")
-        texts.append(part["text"])
-    return "".join(texts)

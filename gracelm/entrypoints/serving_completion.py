@@ -1,4 +1,5 @@
-"""`POST /v1/completions`: a text or token-id prompt continued, answered plain or as SSE chunks."""
+"""`POST /v1/completions`: text or token-id prompts continued, answered plain or as SSE chunks. Several
+prompts in one request run together (`prompt_batch.py`); choice `i * n + j` is the j-th of prompt i."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gracelm.engine.outputs import CompletionOutput, RequestOutput
+from gracelm.entrypoints import request_ids
 from gracelm.entrypoints.api_errors import APIError
 from gracelm.entrypoints.openai_protocol import (
     CompletionChoice,
@@ -17,6 +19,7 @@ from gracelm.entrypoints.openai_protocol import (
     CompletionResponse,
     Usage,
 )
+from gracelm.entrypoints.request_fields import refuse_unsupported, truncate_prompt
 from gracelm.entrypoints.serving_base import ServingBase, StreamTally, final_usage, sse_data
 
 
@@ -24,49 +27,65 @@ class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest,
                      raw_request: Request) -> JSONResponse | StreamingResponse:
         self.check_model(req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        self.check_logprobs(req.logprobs, "logprobs")
+        refuse_unsupported(req)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported by this server: it needs the prompt's "
+                                "logprobs, which are not supported yet", param="echo",
+                           code="unsupported_parameter")
         params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-        prompt_ids = self._prompt_ids(req.prompt)
-        self.check_room(prompt_ids, req.max_tokens)
-        run = self.start(prompt_ids, params, "cmpl", "prompt")
-        request_id = run.request_id
+        prompts = self._prompts(req)
+        for ids in prompts:
+            self.check_room(ids, req.max_tokens)
+        request_id = request_ids.assign(raw_request, req.request_id, "cmpl")
+        run = await self.start(prompts, params, request_id, "prompt")
+        echoes = [self.engine.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
+                  for ids in prompts]
+        num_prompt_tokens = sum(len(ids) for ids in prompts)
         if req.stream:
-            events = self._stream(request_id, run.deltas, len(prompt_ids), params.n, req.logprobs,
-                                  req.include_usage)
+            events = self._stream(request_id, run.deltas, num_prompt_tokens, params.n, req, echoes)
             return self.sse(events, run)
         final = await self.final_output(raw_request, run)
-        choices = [CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
+        choices = [CompletionChoice(index=o.index, text=echoes[o.index // params.n] + o.text,
+                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                     logprobs=self._logprobs(o, 0, req.logprobs)) for o in final.outputs]
-        usage = final_usage(len(prompt_ids), final)
+        usage = final_usage(num_prompt_tokens, final)
         body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
-    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-        """One prompt as token ids; a batch of one is unwrapped, a larger batch refused."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt per request",
-                               param="prompt")
-            prompt = prompt[0]
-        return self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Each prompt as token ids (a text is encoded with the tokenizer's special tokens unless
+        `add_special_tokens` is false), truncated if asked."""
+        prompt = req.prompt
+        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+        batch = prompt if several else [prompt]
+        add_special = req.add_special_tokens is not False
+        assert self.engine.config.max_model_len is not None
+        return [truncate_prompt(self.engine.tokenizer.encode(p, add_special_tokens=add_special)
+                                if isinstance(p, str) else list(p),
+                                req.truncate_prompt_tokens, self.engine.config.max_model_len) for p in batch]
 
     async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
-                      n: int, top: int | None, include_usage: bool) -> AsyncGenerator[str]:
-        """The SSE chunks of one request: a chunk per delta of each choice, then the usage chunk if asked
-        and an error event if the server aborted it (`sse` adds `[DONE]`)."""
+                      n: int, req: CompletionRequest, echoes: list[str]) -> AsyncGenerator[str]:
+        """The SSE chunks of one request: a chunk per delta of each choice (the first of each led by its
+        prompt when echoed), then the usage chunk if asked and an error event if the server aborted it
+        (`sse` adds `[DONE]`)."""
         created = int(time.time())
-        text_offsets = [0] * n  # characters each choice has streamed so far, for logprobs' text_offset
+        total = n * len(echoes)
+        text_offsets = [0] * total  # characters each choice has streamed so far, for logprobs' text_offset
+        started = [False] * total
         tally = StreamTally(num_prompt_tokens)
         async for delta in deltas:
             for o in delta.outputs:
                 tally.add(o)
-                choice = CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
-                                          logprobs=self._logprobs(o, text_offsets[o.index], top))
+                text = o.text if started[o.index] else echoes[o.index // n] + o.text
+                started[o.index] = True
+                choice = CompletionChoice(index=o.index, text=text, finish_reason=o.finish_reason,
+                                          stop_reason=o.stop_reason,
+                                          logprobs=self._logprobs(o, text_offsets[o.index], req.logprobs))
                 text_offsets[o.index] += len(o.text)
-                yield self._chunk(request_id, created, include_usage, choice)
-        if include_usage:
+                usage = tally.usage() if req.continuous_usage else None
+                yield self._chunk(request_id, created, req.include_usage or usage is not None, choice, usage)
+        if req.include_usage:
             yield self._chunk(request_id, created, True, None, tally.usage())
         event = tally.error_event(request_id)
         if event is not None:
