@@ -150,14 +150,14 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     app.include_router(v1)
     tokens = APIRouter(dependencies=deps)  # vLLM serves these outside /v1
 
-    @tokens.post("/tokenize", responses=answers(TokenizeResponse, 400, 401, 500),
+    @tokens.post("/tokenize", responses=answers(TokenizeResponse, 400, 401, 404, 413, 415, 500),
                  openapi_extra=json_body(TokenizeRequest))
     async def tokenize(raw_request: Request) -> dict:
         req = await _parse(raw_request, TokenizeRequest)
         chat.check_model(req.model)
         return serving_tokenize.tokenize(engine, req).model_dump(exclude_none=True)
 
-    @tokens.post("/detokenize", responses=answers(DetokenizeResponse, 400, 401, 500),
+    @tokens.post("/detokenize", responses=answers(DetokenizeResponse, 400, 401, 404, 413, 415, 500),
                  openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> dict:
         req = await _parse(raw_request, DetokenizeRequest)
