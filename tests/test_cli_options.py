@@ -129,6 +129,7 @@ def test_disabled_prefix_caching_looks_nothing_up(server):
         client.completions.create(model=NAMES[0], prompt=[7] * 40, max_tokens=1)
     body = httpx.get(f"{server.url}/metrics").text
     assert 'gracelm_prefix_cache_queries_total{model_name="tiny-main"} 0.0' in body
+    assert "vllm:" not in body  # vLLM's names only with --metrics-names vllm
 
 
 def test_request_log_and_access_log_are_off_as_asked(server):
