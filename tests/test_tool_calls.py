@@ -5,6 +5,7 @@ through the official `openai` client — named, required and auto choices, strea
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -239,3 +240,157 @@ def test_a_cut_call_keeps_finish_reason_length_and_without_tools_nothing_is_pars
     text = '<tool_call>[{"name": "get_time", "arguments": {}}]</tool_call>'
     message, reason = final_message(text, "stop", plan([TIME], "none", None, "smollm2"))
     assert reason == "stop" and message.content == text and message.tool_calls is None
+
+
+# -- against a real server -----------------------------------------------------------------------------
+
+# Bounded values: a random-weight model writes whatever the constraint lets it, so strings are enums.
+FORECAST = {"type": "function", "function": {
+    "name": "get_forecast", "description": "The forecast for a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Paris", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "metric": {"type": "boolean"}},
+        "required": ["city", "days", "metric"], "additionalProperties": False}}}
+ALERTS = {"type": "function", "function": {
+    "name": "get_alerts", "parameters": {"type": "object", "properties": {
+        "level": {"type": "string", "enum": ["low", "high"]}}, "required": ["level"],
+        "additionalProperties": False}}}
+USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from tests.server_process import ServerProcess
+    from tests.tiny_models import tiny_model
+
+    # The default tools section is long in a 512-token vocabulary: a longer context than the default.
+    model = tiny_model("llama", max_position_embeddings=2048)
+    with ServerProcess(model, "--max-model-len", "2048", "--served-model-name", "any", env={"OMP_WAIT_POLICY": "PASSIVE"}) as process:
+        yield process
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _schema_of(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in (FORECAST, ALERTS) if t["function"]["name"] == name)
+
+
+def _check_calls(calls, names: set[str]) -> None:
+    import jsonschema
+
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function" and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), _schema_of(call.function.name))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_named_choice_calls_that_tool_with_valid_arguments(client, seed: int) -> None:
+    answer = client.chat.completions.create(
+        model="any", messages=USER, tools=[FORECAST, ALERTS], seed=seed, temperature=1.0, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_alerts"}})
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert len(choice.message.tool_calls) == 1
+    _check_calls(choice.message.tool_calls, {"get_alerts"})
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_required_choice_makes_valid_calls(client, seed: int) -> None:
+    answer = client.chat.completions.create(
+        model="any", messages=USER, tools=[FORECAST, ALERTS], tool_choice="required", seed=seed,
+        temperature=1.0, max_tokens=200, parallel_tool_calls=False)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert len(choice.message.tool_calls) == 1  # parallel_tool_calls: false
+    _check_calls(choice.message.tool_calls, {"get_forecast", "get_alerts"})
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "function": {"name": "get_forecast"}}])
+def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client, tool_choice) -> None:
+    fields = dict(model="any", messages=USER, tools=[FORECAST, ALERTS], tool_choice=tool_choice, seed=7,
+                  temperature=1.0, max_tokens=200)
+    plain = client.chat.completions.create(**fields).choices[0]
+    calls: list[dict] = []
+    finish_reason = None
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            finish_reason = choice.finish_reason or finish_reason
+            assert not choice.delta.content
+            for piece in choice.delta.tool_calls or []:
+                if piece.id is not None:  # a call's first delta: its index, id, type and name
+                    assert piece.index == len(calls) and piece.type == "function" and piece.function.name
+                    calls.append({"name": piece.function.name, "arguments": piece.function.arguments or ""})
+                else:  # then pieces of its arguments
+                    assert piece.function.name is None and piece.function.arguments
+                    calls[piece.index]["arguments"] += piece.function.arguments
+    assert finish_reason == plain.finish_reason == "tool_calls"
+    assert calls == [{"name": c.function.name, "arguments": c.function.arguments}
+                     for c in plain.message.tool_calls]
+
+
+def test_a_tool_result_in_the_history_reaches_the_template(server, client) -> None:
+    from gracelm.model.tokenizer import Tokenizer
+    from tests.tiny_models import tiny_model
+
+    arguments = '{"city": "Oslo", "days": 1, "metric": true}'
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_forecast", "arguments": arguments}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "Snow, -3 degrees."}]
+    answer = client.chat.completions.create(model="any", messages=history, tools=[FORECAST], max_tokens=1,
+                                            tool_choice="none")
+    tokenizer = Tokenizer.from_dir(tiny_model("llama", max_position_embeddings=2048))
+    plain = [{"role": m["role"], "content": m["content"] or ""} for m in history]
+    messages = template_messages(plain, [(m.get("tool_calls"), m.get("tool_call_id")) for m in history], None,
+                                 renders_tools=False)
+    text = tokenizer.render_chat(messages)
+    assert "<|im_start|>user\n<tool_response>\nSnow, -3 degrees.\n</tool_response><|im_end|>" in text
+    assert '<tool_call>[{"name": "get_forecast", "arguments": {"city": "Oslo"' in text
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    without = client.chat.completions.create(model="any", messages=history[:2], max_tokens=1)
+    assert without.usage.prompt_tokens < answer.usage.prompt_tokens
+
+
+def test_auto_choice_reads_a_call_the_model_writes(client) -> None:
+    # The model is made to write a call in the default section's form; `auto` must read it out.
+    written = 'Let me check. <tool_call>[{"name": "get_alerts", "arguments": {"level": "high"}}]</tool_call>'
+    fields = dict(model="any", messages=USER, tools=[FORECAST, ALERTS], max_tokens=120,
+                  extra_body={"structured_outputs": {"regex": re.escape(written)}})
+    choice = client.chat.completions.create(**fields).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check. "
+    _check_calls(choice.message.tool_calls, {"get_alerts"})
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"level": "high"}
+    content, names = "", []
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            names += [p.function.name for p in c.delta.tool_calls or [] if p.id is not None]
+    assert content == "Let me check. " and names == ["get_alerts"]
+
+
+def test_tool_fields_refused_name_the_field(client) -> None:
+    import openai
+
+    cases = [
+        (dict(tools=[{"type": "code_interpreter"}]), "tools.0.type"),
+        (dict(tools=[FORECAST], tool_choice={"type": "function", "function": {"name": "get_alerts"}}),
+         "tool_choice.function.name"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(messages=[*USER, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]),
+         "messages.1.tool_calls.0.function.arguments"),
+    ]
+    for fields, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**{"model": "any", "messages": USER, "max_tokens": 1, **fields})
+        assert caught.value.body["param"] == param, caught.value.body

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -9,10 +11,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gracelm.engine.outputs import CompletionOutput, RequestOutput
-from gracelm.entrypoints import chat_prompt, request_ids
+from gracelm.entrypoints import chat_prompt, request_ids, tool_calls, tool_parsers
 from gracelm.entrypoints.api_errors import APIError
 from gracelm.entrypoints.openai_protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -26,6 +27,10 @@ from gracelm.entrypoints.openai_protocol import (
 )
 from gracelm.entrypoints.request_fields import refuse_unsupported
 from gracelm.entrypoints.serving_base import ServingBase, StreamTally, final_usage, sse_data
+from gracelm.entrypoints.tool_call_output import StreamedChoice, final_message
+from gracelm.entrypoints.tool_calls import ToolPlan
+
+logger = logging.getLogger(__name__)
 
 
 class ServingChat(ServingBase):
@@ -39,8 +44,11 @@ class ServingChat(ServingBase):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=top)
+        tools = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._tool_parser)
+        params = tool_calls.constrained(params, tools)
         assert self.engine.config.max_model_len is not None
-        prompt_ids = chat_prompt.prompt_ids(self.engine.tokenizer, req, self.engine.config.max_model_len)
+        prompt_ids = chat_prompt.prompt_ids(self.engine.tokenizer, req, self.engine.config.max_model_len,
+                                            tools.tools)
         self.check_room(prompt_ids, max_tokens)
         request_id = request_ids.assign(raw_request, req.request_id, "chatcmpl")
         run = await self.start([prompt_ids], params, request_id, "messages")
@@ -48,13 +56,17 @@ class ServingChat(ServingBase):
         # OpenAI names the tier that served the request when one was asked for: here, always the default.
         tier = "default" if req.service_tier is not None else None
         if req.stream:
-            events = self._stream(request_id, run.deltas, len(prompt_ids), params.n, top, req, echo, tier)
+            events = self._stream(request_id, run.deltas, len(prompt_ids), params.n, top, req, echo, tier,
+                                  tools)
             return self.sse(events, run)
         final = await self.final_output(raw_request, run)
-        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=echo + o.text),
-                              logprobs=self._logprobs(o, top), finish_reason=o.finish_reason,
-                              stop_reason=o.stop_reason)
-                   for o in final.outputs]
+        choices = []
+        for o in final.outputs:
+            message, finish_reason = final_message(o.text, o.finish_reason, tools)
+            if echo:
+                message.content = echo + (message.content or "")
+            choices.append(ChatChoice(index=o.index, message=message, logprobs=self._logprobs(o, top),
+                                      finish_reason=finish_reason, stop_reason=o.stop_reason))
         usage = final_usage(len(prompt_ids), final)
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
                                       service_tier=tier)
@@ -62,11 +74,13 @@ class ServingChat(ServingBase):
 
     async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
                       n: int, top: int | None, req: ChatCompletionRequest, echo: str,
-                      tier: str | None) -> AsyncGenerator[str]:
+                      tier: str | None, tools: ToolPlan) -> AsyncGenerator[str]:
         """The SSE chunks of one request: a role chunk per choice (with the echoed text, if asked), a chunk
         per delta of each choice, then the usage chunk if asked and an error event if it was aborted or
-        failed (`sse` adds `[DONE]`)."""
+        failed (`sse` adds `[DONE]`). A tool call takes chunks of its own: its id and name, then its
+        arguments."""
         created = int(time.time())
+        streamed = [StreamedChoice(tools) for _ in range(n)]
         tally = StreamTally(num_prompt_tokens)
         usage_in_chunks = req.include_usage or req.continuous_usage
 
@@ -80,15 +94,27 @@ class ServingChat(ServingBase):
         async for delta in deltas:
             for o in delta.outputs:
                 tally.add(o)
-                content = DeltaMessage(content=o.text) if o.text else DeltaMessage()
-                choice = ChatChunkChoice(index=o.index, delta=content, logprobs=self._logprobs(o, top),
-                                         finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                *before, last = streamed[o.index].deltas(o.text, o.finish_reason is not None)
+                for piece in before:
+                    yield chunk(ChatChunkChoice(index=o.index, delta=piece))
+                finish_reason = streamed[o.index].finish_reason(o.finish_reason)
+                choice = ChatChunkChoice(index=o.index, delta=last, logprobs=self._logprobs(o, top),
+                                         finish_reason=finish_reason, stop_reason=o.stop_reason)
                 yield chunk(choice, tally.usage() if req.continuous_usage else None)
         if req.include_usage:
             yield chunk(None, tally.usage())
         event = tally.error_event(request_id)
         if event is not None:
             yield event
+
+    @functools.cached_property
+    def _tool_parser(self) -> str:
+        """The family parser `auto` tool choices are read with; resolved at the first request, after
+        `--chat-template` has set the template."""
+        chosen = tool_parsers.resolve(self.served.tool_call_parser, self.engine.tokenizer.chat_template)
+        logger.info("tool calls are read with the %s parser (--tool-call-parser %s)", chosen,
+                    self.served.tool_call_parser)
+        return chosen
 
     def _logprobs(self, o: CompletionOutput, top: int | None) -> ChatLogprobs | None:
         """OpenAI's per-token logprobs for the tokens of `o`."""
