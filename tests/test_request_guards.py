@@ -18,10 +18,21 @@ def _request(authorization: bytes | None) -> Request:
 
 @pytest.mark.parametrize("key", ["secret", "clé-ünïcode-密钥"])
 def test_the_key_matches_as_utf8_bytes(key):
-    verify = api_key_dependency(key)
+    verify = api_key_dependency([key])
     asyncio.run(verify(_request(b"Bearer " + key.encode("utf-8"))))  # accepted: no exception
     for wrong in (None, b"Bearer " + key.encode("utf-8") + b"x", b"Basic " + key.encode("utf-8"),
                   b"Bearer " + key.upper().encode("utf-8"), b"Bearer "):
+        with pytest.raises(APIError) as refused:
+            asyncio.run(verify(_request(wrong)))
+        assert refused.value.status == 401
+
+
+def test_any_of_several_keys_matches():
+    keys = ["first-key", "second-kéy"]
+    verify = api_key_dependency(keys)
+    for key in keys:
+        asyncio.run(verify(_request(b"Bearer " + key.encode("utf-8"))))  # accepted: no exception
+    for wrong in (b"Bearer first-keysecond-k\xc3\xa9y", b"Bearer first", b"Bearer second-key"):
         with pytest.raises(APIError) as refused:
             asyncio.run(verify(_request(wrong)))
         assert refused.value.status == 401
