@@ -169,6 +169,31 @@ def test_oversize_body(server):
     _error(_chat(server, chunks()), 413, code="request_too_large")
 
 
+def test_oversize_bodies_under_load_each_get_their_413(server):
+    """The refused body is read and dropped before the answer: a connection closed with unread bytes is
+    reset by the kernel, which can destroy the 413 before the client reads it."""
+    big = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'  # larger than the socket buffers
+    results: list[int | str] = []
+
+    def post() -> None:
+        try:
+            results.append(_chat(server, big).status_code)
+        except httpx.TransportError as e:
+            results.append(repr(e))
+
+    body = {"prompt": "busy", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as running:
+        lines = running.iter_lines()  # kept referenced: a collected iterator would close the connection
+        assert any(line.startswith("data: ") for line in lines)
+        for _ in range(2):
+            threads = [threading.Thread(target=post) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+    assert results == [413] * 16, results
+
+
 def test_openai_client_gets_bad_request(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
