@@ -266,7 +266,8 @@ def server():
 
     # The default tools section is long in a 512-token vocabulary: a longer context than the default.
     model = tiny_model("llama", max_position_embeddings=2048)
-    with ServerProcess(model, "--max-model-len", "2048", "--served-model-name", "any", env={"OMP_WAIT_POLICY": "PASSIVE"}) as process:
+    with ServerProcess(model, "--max-model-len", "2048", "--served-model-name", "any",
+                       env={"OMP_WAIT_POLICY": "PASSIVE"}) as process:
         yield process
         process.stop()
 
