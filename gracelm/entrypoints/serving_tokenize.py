@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import pydantic
+
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.entrypoints import chat_prompt
-from gracelm.entrypoints.api_errors import APIError
+from gracelm.entrypoints.api_errors import APIError, from_validation_error
 from gracelm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -24,11 +26,14 @@ def tokenize(engine: AsyncEngine, req: TokenizeRequest) -> TokenizeResponse:
     if req.prompt is not None:
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     else:
-        chat = ChatCompletionRequest.model_validate(
-            {"messages": req.messages, "add_generation_prompt": req.add_generation_prompt,
-             "continue_final_message": req.continue_final_message, "chat_template": req.chat_template,
-             "chat_template_kwargs": req.chat_template_kwargs,
-             "add_special_tokens": bool(req.add_special_tokens)})
+        try:  # what a chat request would refuse (no messages, say) is the client's error here too
+            chat = ChatCompletionRequest.model_validate(
+                {"messages": req.messages, "add_generation_prompt": req.add_generation_prompt,
+                 "continue_final_message": req.continue_final_message, "chat_template": req.chat_template,
+                 "chat_template_kwargs": req.chat_template_kwargs,
+                 "add_special_tokens": bool(req.add_special_tokens)})
+        except pydantic.ValidationError as exc:
+            raise from_validation_error(exc) from None
         ids = chat_prompt.prompt_ids(tokenizer, chat, max_model_len)
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=max_model_len, token_strs=strs)
