@@ -28,8 +28,9 @@ from tests.server_process import GRACELM, ServerProcess, start_streams
 from tests.tiny_models import tiny_model
 
 CHROMIUM = "/usr/bin/chromium"
+# Skipped, saying why, only off CI: in CI (`CI=true`, set by the CI runner) a missing browser fails the test.
 needs_chromium = pytest.mark.skipif(
-    not os.access(CHROMIUM, os.X_OK),
+    not os.access(CHROMIUM, os.X_OK) and os.environ.get("CI") != "true",
     reason="Debian's chromium is not installed (scripts/bootstrap.sh installs it when run as root)")
 # Not ASCII, so that the key's UTF-8 bytes travel through the page's address and its script's header.
 KEY = "status-ключ"
