@@ -1,4 +1,5 @@
-"""The periodic stats log line: running and waiting requests, KV-cache use, prefix-cache hits, throughput."""
+"""The periodic stats log line: running and waiting requests, KV-cache use, prefix-cache hits, preemptions
+since the start, throughput."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ async def log_stats_forever(engine, metrics: ServerMetrics, interval: float) -> 
         queries = stats.get("prefix_cache_queries", 0)
         hit_rate = stats.get("prefix_cache_hits", 0) / queries if queries else 0.0
         logger.info("running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: "
-                    "%.1f%%, prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s",
+                    "%.1f%%, preemptions: %d, prompt throughput: %.1f tok/s, generation throughput: "
+                    "%.1f tok/s",
                     stats["num_running"], stats["num_waiting"], 100 * stats["kv_usage"], 100 * hit_rate,
-                    prompt_tps, gen_tps)
+                    stats.get("num_preemptions", 0), prompt_tps, gen_tps)
