@@ -16,6 +16,7 @@ import pytest
 
 from gracelm.entrypoints import cli
 from gracelm.entrypoints.chat_template_option import read_chat_template
+from gracelm.entrypoints.generation_defaults import load_generation_defaults
 from tests.server_process import GRACELM, ServerProcess
 from tests.tiny_models import tiny_model
 
@@ -188,3 +189,19 @@ def test_chat_template_is_a_file_or_inline_text(tmp_path):
     path.write_text("{{ messages }}")
     assert read_chat_template(str(path)) == "{{ messages }}"
     assert read_chat_template("{% if x %}y{% endif %}") == "{% if x %}y{% endif %}"
+
+
+def test_generation_config_sources(model_dir, tmp_path, caplog):
+    caplog.set_level("INFO", logger="gracelm.server")
+    assert load_generation_defaults("auto", model_dir) == {"temperature": 0.0, "max_tokens": MAX_NEW_TOKENS}
+    assert load_generation_defaults("vllm", model_dir) == {}
+    folder_config = {"top_p": 0.5, "top_k": 7, "do_sample": True}
+    (tmp_path / "generation_config.json").write_text(json.dumps(folder_config))
+    assert load_generation_defaults(str(tmp_path), model_dir) == {"top_p": 0.5, "top_k": 7}
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert load_generation_defaults("auto", gguf) == {}
+    assert "a GGUF file, which has no generation_config.json" in caplog.text
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 9}))
+    with pytest.raises(ValueError, match="temperature"):
+        load_generation_defaults(str(tmp_path), model_dir)

@@ -108,7 +108,7 @@ def _trailing_model(args: argparse.Namespace) -> str | None:
     if last is None or getattr(args, "model", None) is not None:
         return None
     dest, words = last
-    if len(words) < 2 or args.argv[-len(words):] != words:
+    if len(words) < 2 or getattr(args, "argv", [])[-len(words):] != words:
         return None
     getattr(args, dest).pop()
     return words[-1]
