@@ -4,8 +4,8 @@ effect here is answered with a 400 naming the field, never ignored.
 A field listed here is refused unless its value asks for nothing (its default or a no-op value, such as
 `modalities: ["text"]` or `store: false`). Every field of the request models that is not listed is
 honoured (docs/api_fields.md gives the choice for each; tests/test_request_fields.py walks them). Fields
-whose work is under way elsewhere (structured outputs, token constraints, tools) are listed until they are
-implemented, so that they are refused rather than silently dropped meanwhile.
+whose work is under way elsewhere (tools) are listed until they are implemented, so that they are refused
+rather than silently dropped meanwhile.
 """
 
 from __future__ import annotations
@@ -58,25 +58,15 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "mm_processor_kwargs": Unsupported(_unset, "multimodal inputs are not supported"),
     "logits_processors": Unsupported(_unset, "custom logits processors are not supported"),
     "return_token_ids": Unsupported(_one_of(False), "return_token_ids is not supported"),
-    "return_tokens_as_token_ids": Unsupported(_one_of(False), "return_tokens_as_token_ids is not supported"),
     "cache_salt": Unsupported(_unset, "cache_salt is not supported"),
     "kv_transfer_params": Unsupported(_unset, "KV transfer (disaggregated serving) is not supported"),
     "vllm_xargs": Unsupported(_unset, "vllm_xargs is not supported"),
     "prompt_embeds": Unsupported(_unset, "prompt embeddings are not supported"),
-    "prompt_logprobs": Unsupported(lambda v: v is None, "prompt logprobs are not supported yet"),
-    # Structured outputs and token constraints: under way (refused until they are implemented).
-    "response_format": Unsupported(lambda v: _unset(v) or v == {"type": "text"},
-                                   "response_format other than text is not supported yet"),
-    "structured_outputs": Unsupported(_unset, "structured outputs are not supported yet"),
-    "guided_json": Unsupported(_unset, "guided_json is not supported yet"),
-    "guided_regex": Unsupported(_unset, "guided_regex is not supported yet"),
-    "guided_choice": Unsupported(_unset, "guided_choice is not supported yet"),
-    "guided_grammar": Unsupported(_unset, "guided_grammar is not supported yet"),
-    "guided_decoding_backend": Unsupported(_unset, "guided_decoding_backend is not supported yet"),
-    "guided_whitespace_pattern": Unsupported(_unset, "guided_whitespace_pattern is not supported yet"),
-    "logit_bias": Unsupported(_unset, "logit_bias is not supported yet"),
-    "allowed_token_ids": Unsupported(lambda v: v is None, "allowed_token_ids is not supported yet"),
-    "bad_words": Unsupported(_unset, "bad_words is not supported yet"),
+    # Structured outputs: one backend, and JSON's whitespace is always compact (constraint_fields.py).
+    "guided_decoding_backend": Unsupported(_one_of("auto", "guidance", "llguidance"),
+                                           "the only structured-output backend is llguidance"),
+    "guided_whitespace_pattern": Unsupported(_unset, "guided_whitespace_pattern is not supported: JSON is "
+                                                     "generated with compact whitespace"),
 }
 # Fields of a chat message refused the same way (param `messages.N.field`).
 UNSUPPORTED_IN_MESSAGES: dict[str, Unsupported] = {
