@@ -6,6 +6,8 @@ requests and HTTP access are logged by default."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import openai
 import pytest
@@ -118,3 +120,28 @@ def test_requests_and_access_are_logged_by_default(server, answers):
     assert f"request {answers[0].id}: 40 prompt tokens, " in log and "ignore_eos=True" in log
     assert "n=2" in log
     assert '"POST /v1/completions HTTP/1.1" 200' in log
+
+
+def test_preemptions_are_counted():
+    """Three 40-token prompts growing to 60 tokens on a cache of 6 blocks of 16: they cannot all run at
+    once, so some are preempted, and every one still finishes."""
+    with ServerProcess(tiny_model("llama"), "--metrics-names", "vllm", "--served-model-name", NAME,
+                       "--max-model-len", "64", "--kv-cache-memory", "48KiB",
+                       env={"GRACELM_API_KEY": ""}) as server:
+        assert "6 KV blocks of 16 tokens" in server.log()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def complete(i: int):
+            return client.completions.create(model=NAME, prompt=[10 + i] * 40, max_tokens=20,
+                                             extra_body={"ignore_eos": True})
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(complete, range(3)))
+        assert all(a.usage.completion_tokens == 20 for a in answers)
+        text = httpx.get(f"{server.url}/metrics").text
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    preemptions = _value(samples, "gracelm_num_preemptions_total")
+    assert preemptions > 0 and _value(samples, "vllm:num_preemptions_total") == preemptions
+    # A preempted sequence is timed once, from its first scheduling.
+    assert _value(samples, "vllm:request_inference_time_seconds_count") == 3
