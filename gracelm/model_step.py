@@ -22,7 +22,9 @@ class StepBatch(msgspec.Struct, tag=True, array_like=True):
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # tokens of context per sequence after the step
     block_tables: list[list[int]]  # padded with 0
-    logits_indices: list[int]  # rows whose logits are sampled: each sampling sequence's last token
+    # Rows whose logits are returned: each sampling sequence's last token, in batch order, then the prompt
+    # positions whose logprobs a request asked for (`ModelStep.prompt_rows`).
+    logits_indices: list[int]
     sent_at: float = 0.0  # time.time() on rank 0 when sent: the broadcast latency, seen by a worker
 
 
@@ -38,6 +40,44 @@ class ModelStep:
     output_token_ids: list[list[int]]
     # Per row, the stop tokens it may not sample yet (`SamplingParams.min_tokens`); empty for most rows.
     held_stop_ids: list[list[int]] = field(default_factory=list)
+    # The requests whose prompt logprobs this step computes, in the order of their logits rows, which follow
+    # the sampling rows.
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+
+
+@dataclass
+class PromptRows:
+    """Consecutive logits rows of one request's prompt positions: row i scores `target_ids[i]`, the prompt
+    token that follows its position, with the `num_top` most likely tokens beside it."""
+
+    request_id: str
+    target_ids: list[int]
+    num_top: int
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """The logprobs of consecutive prompt tokens (each given the tokens before it), from the model's raw
+    distribution: each token's logprob and rank (1 = most likely), and the top-N tokens with theirs."""
+
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    ranks: list[int] = msgspec.field(default_factory=list)
+    top_ids: list[list[int]] = msgspec.field(default_factory=list)
+    top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
+
+    def extend(self, more: PromptLogprobs) -> None:
+        self.logprobs += more.logprobs
+        self.ranks += more.ranks
+        self.top_ids += more.top_ids
+        self.top_logprobs += more.top_logprobs
+
+
+@dataclass
+class StepResult:
+    """What rank 0 returns for a step: a token (or fault) per sampling row, in order, and the prompt logprobs
+    of each request of `ModelStep.prompt_rows`, by request id."""
+
+    sampled: list[SampledToken | SamplingFault]
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass

@@ -142,8 +142,8 @@ class EngineCore:
         if not scheduled.scheduled:
             return []
         self.timings.scheduled(item.request.request_id for item in scheduled.scheduled)
-        sampled = self.executor.execute(scheduled.model_step(self.config.block_size))
-        updates = self.scheduler.update_from_output(scheduled, sampled)
+        result = self.executor.execute(scheduled.model_step(self.config.block_size))
+        updates = self.scheduler.update_from_output(scheduled, result.sampled, result.prompt_logprobs)
         for update in updates:
             self.timings.sampled(update.request_id, update.finished)
         self.executor.release_requests([u.request_id for u in updates if u.finished])
@@ -337,7 +337,8 @@ def _token_output(update: RequestUpdate) -> msg.TokenOutput:
     if sampled is None:  # a fault ended the request (containment: `Scheduler.update_from_output`)
         return msg.TokenOutput(update.request_id, None, update.finish_reason, fault=update.fault)
     return msg.TokenOutput(update.request_id, sampled.token_id, update.finish_reason, update.stop_reason,
-                           sampled.logprob, sampled.top_ids, sampled.top_logprobs)
+                           sampled.logprob, sampled.top_ids, sampled.top_logprobs,
+                           prompt_logprobs=update.prompt_logprobs)
 
 
 def _startup_marks() -> list[tuple[str, float]]:

@@ -13,6 +13,7 @@ import enum
 
 import msgspec
 
+from gracelm.model_step import PromptLogprobs
 from gracelm.sampling_params import SamplingParams
 
 
@@ -72,6 +73,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     `stop_reason` is the stop token id when the request ended on one; logprobs fields are set when the
     request asked for them: the sampled token's logprob and the top-N alternatives. `fault` names the stage
     whose exception ended this request alone (finish_reason "error", no token): "sampling" or "stop_check".
+    A request that asked for prompt logprobs gets them all with its first token.
     """
 
     request_id: str
@@ -82,6 +84,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
     fault: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class OutputsBatch(msgspec.Struct, tag=True):

@@ -25,6 +25,7 @@ from gracelm.engine.detokenizer import IncrementalDetokenizer
 from gracelm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from gracelm.engine.stop_strings import StopStrings
 from gracelm.model.tokenizer import Tokenizer
+from gracelm.model_step import PromptLogprobs
 from gracelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class _Completion:
     text: str = ""  # released text only: a possible stop-string start is held back by the detokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     moved: bool = False
     num_generated: int = 0  # every token so far, for the progress of `open_requests`
 
@@ -54,8 +56,9 @@ class _Completion:
             index=self.index, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason,
             logprobs=self.logprobs if self.wants_logprobs else None,
             cumulative_logprob=self.cumulative_logprob if self.wants_logprobs else None,
-            stop_reason=self.stop_reason)
+            stop_reason=self.stop_reason, prompt_logprobs=self.prompt_logprobs)
         self.text, self.token_ids, self.logprobs, self.moved = "", [], [], False
+        self.prompt_logprobs = None
         return delta
 
 
@@ -151,6 +154,9 @@ class OutputProcessor:
             fault = out.fault
             if fault is None:
                 try:
+                    if out.prompt_logprobs is not None:
+                        completion.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids,
+                                                                           out.prompt_logprobs)
                     if self._apply(completion, out):
                         to_abort.append(completion.core_id)
                 except Exception:  # this request's own fault: it ends, the others go on
@@ -239,6 +245,19 @@ class OutputProcessor:
             entry[out.token_id] = Logprob(out.logprob, None, self._token_text(out.token_id))
         completion.logprobs.append(entry)
         completion.cumulative_logprob += out.logprob
+
+    def _prompt_logprobs(self, prompt_token_ids: list[int],
+                         scored: PromptLogprobs) -> list[dict[int, Logprob] | None]:
+        """vLLM's shape: None for the first prompt token, then per token its top-N and itself."""
+        entries: list[dict[int, Logprob] | None] = [None]
+        for token_id, logprob, rank, top_ids, top_logprobs in zip(
+                prompt_token_ids[1:], scored.logprobs, scored.ranks, scored.top_ids, scored.top_logprobs,
+                strict=True):
+            entry = {t: Logprob(lp, r, self._token_text(t))
+                     for r, (t, lp) in enumerate(zip(top_ids, top_logprobs, strict=True), start=1)}
+            entry.setdefault(token_id, Logprob(logprob, rank, self._token_text(token_id)))
+            entries.append(entry)
+        return entries
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

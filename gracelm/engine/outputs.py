@@ -35,6 +35,8 @@ class CompletionOutput:
     "abort" or "error" (a fault of this request in the engine: it ended, the engine serves on).
     `stop_reason` is the stop string or stop token id that ended it, if any. `logprobs` has, for
     each generated token, a dict from token id to `Logprob` holding the sampled token and the top-N ones.
+    `prompt_logprobs` (when asked for) has the same for each prompt token, None for the first (vLLM's
+    shape); the first delta of the completion carries it.
     """
 
     index: int
@@ -44,6 +46,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,6 +58,8 @@ class CompletionOutput:
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.cumulative_logprob is not None:
             self.cumulative_logprob = delta.cumulative_logprob  # a running total already
         if delta.finish_reason is not None:

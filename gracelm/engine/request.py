@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from gracelm.model_step import PromptLogprobs
 from gracelm.sampling_params import SamplingParams
 
 
@@ -44,6 +45,10 @@ class Request:
     just sampled a token has `num_tokens - 1` computed: the new token is fed to the model next step.
     `block_hashes` caches the chained hash of each full block of `all_token_ids`; the token sequence only
     ever grows, so the chain stays valid across steps and across preemption.
+
+    A request that asks for prompt logprobs gathers them in `prompt_logprobs` as its prefill chunks compute
+    them, `num_prompt_logprobs` positions so far (a recompute after a preemption does not compute them
+    again), until its first token carries them out; the field is None before and after.
     """
 
     request_id: str
@@ -57,10 +62,30 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | None = None  # the stop_token_ids entry that ended the request; None for eos
+    prompt_logprobs: PromptLogprobs | None = None
+    num_prompt_logprobs: int = 0
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        if self.sampling_params.prompt_logprobs is not None and not self.output_token_ids:
+            self.prompt_logprobs = PromptLogprobs()
+
+    @property
+    def gathers_prompt_logprobs(self) -> bool:
+        """Whether prefill must still compute prompt logprobs: then it may not take cached blocks, which
+        have no logits."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, more: PromptLogprobs) -> None:
+        assert self.prompt_logprobs is not None
+        self.prompt_logprobs.extend(more)
+        self.num_prompt_logprobs += len(more.logprobs)
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt logprobs gathered, once: the first token carries them."""
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

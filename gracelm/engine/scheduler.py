@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from gracelm.arith import cdiv
 from gracelm.engine.kv_cache_manager import KVCacheManager
 from gracelm.engine.request import Request, RequestStatus
-from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch
+from gracelm.model_step import ModelStep, PromptLogprobs, PromptRows, SampledToken, SamplingFault, StepBatch
 
 logger = logging.getLogger(__name__)
 # The stages of a request's own faults, as `RequestUpdate.fault` names them.
@@ -78,13 +78,24 @@ class SchedulerOutput:
 
     def model_step(self, block_size: int) -> ModelStep:
         """The step as the executor takes it: the token rows of one forward pass and, for each row that
-        samples, its request's sampling inputs."""
+        samples, its request's sampling inputs; then the rows of the prompt positions whose logprobs are
+        asked for (those not computed before a preemption)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
+        prompt_indices: list[int] = []
+        prompt_rows: list[PromptRows] = []
         for item in self.scheduled:
             start, end = item.start_position, item.start_position + item.num_new_tokens
+            request = item.request
+            # Position p scores prompt token p + 1: the last prompt position's logits sample instead.
+            first, last = max(start, request.num_prompt_logprobs), min(end, request.num_prompt_tokens - 1)
+            if request.gathers_prompt_logprobs and first < last:
+                prompt_indices.extend(range(len(input_ids) + first - start, len(input_ids) + last - start))
+                targets = request.prompt_token_ids[first + 1:last + 1]
+                prompt_rows.append(PromptRows(request.request_id, targets,
+                                              request.sampling_params.prompt_logprobs or 0))
             input_ids.extend(item.request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(item.block_ids[pos // block_size] * block_size + pos % block_size
@@ -97,11 +108,11 @@ class SchedulerOutput:
                           seq_lens=[item.start_position + item.num_new_tokens for item in self.scheduled],
                           block_tables=[item.block_ids + [0] * (width - len(item.block_ids))
                                         for item in self.scheduled],
-                          logits_indices=logits_indices)
+                          logits_indices=logits_indices + prompt_indices)
         sampling = [item.request for item in self.sampling]
         return ModelStep(batch, [r.request_id for r in sampling], [r.sampling_params for r in sampling],
                          [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling],
-                         [r.held_stop_ids() for r in sampling])
+                         [r.held_stop_ids() for r in sampling], prompt_rows)
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,7 @@ class RequestUpdate:
     finish_reason: str | None  # "stop" | "length" | "error" once finished
     stop_reason: int | None  # the stop_token_ids entry that ended it
     fault: str | None = None  # the stage whose exception ended this request ("error")
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token of a request that asked
 
     @property
     def token_id(self) -> int | None:
@@ -164,7 +176,10 @@ class Scheduler:
         while (self.waiting and budget > 0 and not output.preempted_request_ids
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            # Cached blocks have no logits: a request still gathering prompt logprobs computes its prompt.
+            computed_blocks, num_cached = [], 0
+            if not request.gathers_prompt_logprobs:
+                computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = self._chunk(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break  # first come, first served: nobody overtakes the head of the queue
@@ -175,10 +190,12 @@ class Scheduler:
             budget -= self._add(output, request, num_new)
         return output
 
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: list[SampledToken | SamplingFault]) -> list[RequestUpdate]:
-        """Records a step's results: computed tokens, newly full blocks, sampled tokens and stops.
-        `sampled` holds one token (or fault) per request of `output.sampling`, in that order."""
+    def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken | SamplingFault],
+                           prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> list[RequestUpdate]:
+        """Records a step's results: computed tokens, newly full blocks, prompt logprobs, sampled tokens and
+        stops. `sampled` holds one token (or fault) per request of `output.sampling`, in that order;
+        `prompt_logprobs` what the step computed of the prompt logprobs of requests that asked."""
+        prompt_logprobs = prompt_logprobs or {}
         updates = []
         any_finished = False
         tokens = iter(sampled)
@@ -189,6 +206,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_full_blocks(request)
+            if request.request_id in prompt_logprobs:
+                request.add_prompt_logprobs(prompt_logprobs[request.request_id])
             if token is None:
                 continue
             if isinstance(token, SamplingFault):
@@ -207,7 +226,8 @@ class Scheduler:
                 self._finish(request, status)
                 any_finished = True
             updates.append(RequestUpdate(request.request_id, token, request.is_finished,
-                                         request.finish_reason, request.stop_reason))
+                                         request.finish_reason, request.stop_reason,
+                                         prompt_logprobs=request.take_prompt_logprobs()))
         if any_finished:
             self.running = [request for request in self.running if not request.is_finished]
         return updates

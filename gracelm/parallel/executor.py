@@ -26,7 +26,7 @@ from collections.abc import Callable
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.lifecycle.ledger import Ledger, Outcome, ResourceKind, ResourceReport, ShutdownReport
 from gracelm.model.loader import LoadedModel
-from gracelm.model_step import ModelStep, SampledToken, SamplingFault
+from gracelm.model_step import ModelStep, StepResult
 from gracelm.parallel import messages as m
 from gracelm.parallel.distributed import (
     BACKEND,
@@ -105,9 +105,10 @@ class Executor:
         if self._group is not None:
             self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
 
-    def execute(self, step: ModelStep) -> list[SampledToken | SamplingFault]:
+    def execute(self, step: ModelStep) -> StepResult:
         """Runs one step on every rank; the sampled token of each row of `step.request_ids`, in order (a
-        `SamplingFault` for a row whose sampling raised: only its request ends)."""
+        `SamplingFault` for a row whose sampling raised: only its request ends), and the prompt logprobs of
+        `step.prompt_rows` (rank 0 has the gathered logits of every row)."""
         if self._group is None:
             return self._driver.sample_step(step)
         started = time.perf_counter()

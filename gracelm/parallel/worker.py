@@ -15,6 +15,11 @@ Token constraints (structured outputs, logit_bias, allowed_token_ids, bad_words)
 here too (`model/token_constraints.py:ConstraintStates`), freed with the generators when a request ends:
 the constrained rows' masks and biases are built for the sampler, and each constrained row's grammar
 consumes the token it sampled; a constraint that fails is its request's fault.
+
+Prompt logprobs: the step's logits rows after the sampling ones are prompt positions some request asked to
+score (`ModelStep.prompt_rows`); `model/prompt_logprobs.py` turns them into logprobs, ranks and top-N. With
+tensor parallelism those rows are gathered to rank 0 like the others, since every rank runs the same
+`logits_indices`.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import LoadedModel, load_model
+from gracelm.model.prompt_logprobs import prompt_logprobs
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
 from gracelm.model.token_constraints import ConstraintStates, has_constraints
-from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch
+from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch, StepResult
 from gracelm.parallel.layout import check_shardable, shard_config
 from gracelm.parallel.sharding import TensorParallelModel
 from gracelm.sampling_params import SamplingParams
@@ -113,11 +119,16 @@ class Worker:
         return model(ForwardBatch.from_step_batch(batch), self.kv_caches)
 
     @torch.inference_mode()
-    def sample_step(self, step: ModelStep) -> list[SampledToken | SamplingFault]:
-        """Rank 0: runs the forward pass of the step and samples one token per row that samples (or, for a
-        row whose sampling raised, a `SamplingFault`)."""
+    def sample_step(self, step: ModelStep) -> StepResult:
+        """Rank 0: runs the forward pass of the step, samples one token per row that samples (or, for a
+        row whose sampling raised, a `SamplingFault`) and scores the prompt rows asked for."""
         logits = self.forward(step.batch)
         assert logits is not None
+        num_sampling = len(step.request_ids)
+        return StepResult(self._sample_rows(logits[:num_sampling], step),
+                          prompt_logprobs(logits[num_sampling:], step.prompt_rows))
+
+    def _sample_rows(self, logits: torch.Tensor, step: ModelStep) -> list[SampledToken | SamplingFault]:
         if not step.request_ids:
             return []
         _hold_stop_tokens(logits, step.held_stop_ids)
