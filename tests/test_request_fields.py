@@ -56,6 +56,8 @@ HONOURED = {
     "truncate_prompt_tokens": "test_truncate_prompt_tokens_keeps_the_end",
     "add_special_tokens": "test_add_special_tokens",
     "echo": "test_echo_on_both_endpoints",
+    "prompt_logprobs": "tests.test_prompt_logprobs::test_prompt_logprobs_of_a_batch_match_transformers",
+    "return_tokens_as_token_ids": "tests.test_prompt_logprobs::test_return_tokens_as_token_ids",
     "add_generation_prompt": "test_chat_template_options",
     "continue_final_message": "test_chat_template_options",
     "chat_template": "test_chat_template_options",
@@ -85,11 +87,11 @@ REFUSED_VALUES = {
     "functions": [{"name": "f"}], "function_call": "auto", "suffix": "end", "use_beam_search": True,
     "length_penalty": 0.5, "priority": 1, "mm_processor_kwargs": {"a": 1}, "logits_processors": ["x"],
     "return_token_ids": True, "cache_salt": "salt", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
-    "prompt_embeds": "AAAA", "prompt_logprobs": 1, "response_format": {"type": "json_object"},
+    "prompt_embeds": "AAAA", "response_format": {"type": "json_object"},
     "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "logit_bias": {"1": 100}, "allowed_token_ids": [1],
-    "bad_words": ["cat"], "return_tokens_as_token_ids": True,
+    "bad_words": ["cat"],
 }
 
 
@@ -292,9 +294,11 @@ def test_echo_on_both_endpoints(client):
     streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
                                          echo=True, extra_body=LONG)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT + plain
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
-    assert e.value.body["param"] == "echo"
+    # With logprobs, the prompt's tokens lead them, the first unscored (tests/test_prompt_logprobs.py checks
+    # their values against transformers).
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1,
+                                       extra_body=LONG).choices[0].logprobs
+    assert scored.token_logprobs[0] is None and len(scored.tokens) == r.usage.prompt_tokens + 2
     messages = [*MESSAGES, {"role": "assistant", "content": "Once upon"}]
     body = dict(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     extra = {"echo": True, "add_generation_prompt": False, "continue_final_message": True, **LONG}

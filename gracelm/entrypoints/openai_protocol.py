@@ -215,6 +215,18 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `prompt_logprobs` entry of one candidate token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: per prompt token (None for the first), its candidates by token id.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -257,6 +269,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     service_tier: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class DeltaFunctionCall(BaseModel):
@@ -313,6 +326,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class CompletionResponse(BaseModel):

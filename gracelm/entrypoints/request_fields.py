@@ -58,12 +58,10 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "mm_processor_kwargs": Unsupported(_unset, "multimodal inputs are not supported"),
     "logits_processors": Unsupported(_unset, "custom logits processors are not supported"),
     "return_token_ids": Unsupported(_one_of(False), "return_token_ids is not supported"),
-    "return_tokens_as_token_ids": Unsupported(_one_of(False), "return_tokens_as_token_ids is not supported"),
     "cache_salt": Unsupported(_unset, "cache_salt is not supported"),
     "kv_transfer_params": Unsupported(_unset, "KV transfer (disaggregated serving) is not supported"),
     "vllm_xargs": Unsupported(_unset, "vllm_xargs is not supported"),
     "prompt_embeds": Unsupported(_unset, "prompt embeddings are not supported"),
-    "prompt_logprobs": Unsupported(lambda v: v is None, "prompt logprobs are not supported yet"),
     # Structured outputs: one backend, and JSON's whitespace is always compact (constraint_fields.py).
     "guided_decoding_backend": Unsupported(_one_of("auto", "guidance", "llguidance"),
                                            "the only structured-output backend is llguidance"),

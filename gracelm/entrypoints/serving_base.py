@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
-from gracelm.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from gracelm.engine.outputs import CompletionOutput, RequestOutput
 from gracelm.engine.request import PromptError, context_overflow_message
 from gracelm.entrypoints import prompt_batch
 from gracelm.entrypoints.api_errors import APIError, from_value_error
@@ -173,11 +173,6 @@ class ServingBase:
         if any(o.finish_reason == "abort" for o in final.outputs):
             raise aborted_error()
         return final
-
-    def token_text(self, token_id: int, logprob: Logprob) -> str:
-        if logprob.decoded_token is not None:
-            return logprob.decoded_token
-        return self.engine.tokenizer.decode([token_id])
 
     @staticmethod
     def sse(events: AsyncGenerator[str], run: Run) -> StreamingResponse:

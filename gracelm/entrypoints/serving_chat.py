@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gracelm.engine.outputs import CompletionOutput, RequestOutput
 from gracelm.entrypoints import chat_prompt, request_ids, tool_calls, tool_parsers
 from gracelm.entrypoints.api_errors import APIError
+from gracelm.entrypoints.logprob_tokens import token_label, vllm_prompt_logprobs, with_prompt_logprobs
 from gracelm.entrypoints.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,6 +45,8 @@ class ServingChat(ServingBase):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=top)
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        params = with_prompt_logprobs(params, req.stream, req.prompt_logprobs)
         tools = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._tool_parser)
         params = tool_calls.constrained(params, tools)
         assert self.engine.config.max_model_len is not None
@@ -65,11 +68,12 @@ class ServingChat(ServingBase):
             message, finish_reason = final_message(o.text, o.finish_reason, tools)
             if echo:
                 message.content = echo + (message.content or "")
-            choices.append(ChatChoice(index=o.index, message=message, logprobs=self._logprobs(o, top),
+            choices.append(ChatChoice(index=o.index, message=message, logprobs=self._logprobs(o, top, req),
                                       finish_reason=finish_reason, stop_reason=o.stop_reason))
         usage = final_usage(len(prompt_ids), final)
+        scored = vllm_prompt_logprobs(prompt_ids, final.outputs[0].prompt_logprobs, req.prompt_logprobs)
         body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
-                                      service_tier=tier)
+                                      service_tier=tier, prompt_logprobs=scored)
         return JSONResponse(body.model_dump())
 
     async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
@@ -98,7 +102,7 @@ class ServingChat(ServingBase):
                 for piece in before:
                     yield chunk(ChatChunkChoice(index=o.index, delta=piece))
                 finish_reason = streamed[o.index].finish_reason(o.finish_reason)
-                choice = ChatChunkChoice(index=o.index, delta=last, logprobs=self._logprobs(o, top),
+                choice = ChatChunkChoice(index=o.index, delta=last, logprobs=self._logprobs(o, top, req),
                                          finish_reason=finish_reason, stop_reason=o.stop_reason)
                 yield chunk(choice, tally.usage() if req.continuous_usage else None)
         if req.include_usage:
@@ -116,17 +120,20 @@ class ServingChat(ServingBase):
                     self.served.tool_call_parser)
         return chosen
 
-    def _logprobs(self, o: CompletionOutput, top: int | None) -> ChatLogprobs | None:
-        """OpenAI's per-token logprobs for the tokens of `o`."""
+    def _logprobs(self, o: CompletionOutput, top: int | None,
+                  req: ChatCompletionRequest) -> ChatLogprobs | None:
+        """OpenAI's per-token logprobs for the tokens of `o` (named "token_id:N" if the request asks)."""
         if top is None or o.logprobs is None:
             return None
         content = []
+        as_ids, tokenizer = req.return_tokens_as_token_ids, self.engine.tokenizer
         for token_id, candidates in zip(o.token_ids, o.logprobs, strict=False):
             ranked = sorted(candidates.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top]
-            alternatives = [TopLogprob(token=self.token_text(t, lp), logprob=lp.logprob,
-                                       bytes=list(self.token_text(t, lp).encode())) for t, lp in ranked]
+            alternatives = [TopLogprob(token=token_label(tokenizer, t, lp, as_ids), logprob=lp.logprob,
+                                       bytes=list(token_label(tokenizer, t, lp, as_ids).encode()))
+                            for t, lp in ranked]
             sampled = candidates[token_id]
-            text = self.token_text(token_id, sampled)
+            text = token_label(tokenizer, token_id, sampled, as_ids)
             content.append(ChatTokenLogprob(token=text, logprob=sampled.logprob, bytes=list(text.encode()),
                                             top_logprobs=alternatives))
         return ChatLogprobs(content=content)

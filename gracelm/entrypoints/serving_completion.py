@@ -1,17 +1,23 @@
 """`POST /v1/completions`: text or token-id prompts continued, answered plain or as SSE chunks. Several
-prompts in one request run together (`prompt_batch.py`); choice `i * n + j` is the j-th of prompt i."""
+prompts in one request run together (`prompt_batch.py`); choice `i * n + j` is the j-th of prompt i.
+
+`echo` with `logprobs` scores the prompt too (its tokens lead the choice's logprobs, the first without a
+logprob, as OpenAI answers); with `max_tokens: 0` it scores the prompt only: one token is generated, as the
+engine always does, and left out of the answer.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gracelm.engine.outputs import CompletionOutput, RequestOutput
+from gracelm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from gracelm.entrypoints import request_ids
-from gracelm.entrypoints.api_errors import APIError
+from gracelm.entrypoints.logprob_tokens import token_label, vllm_prompt_logprobs, with_prompt_logprobs
 from gracelm.entrypoints.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -28,11 +34,12 @@ class ServingCompletion(ServingBase):
                      raw_request: Request) -> JSONResponse | StreamingResponse:
         self.check_model(req.model)
         refuse_unsupported(req)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported by this server: it needs the prompt's "
-                                "logprobs, which are not supported yet", param="echo",
-                           code="unsupported_parameter")
-        params = self.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        score_only = req.echo and req.max_tokens == 0
+        params = self.sampling_params(req, max_tokens=1 if score_only else req.max_tokens,
+                                      logprobs=req.logprobs)
+        params = with_prompt_logprobs(params, req.stream, req.prompt_logprobs,
+                                      req.logprobs if req.echo else None)
         prompts = self._prompts(req)
         for ids in prompts:
             self.check_room(ids, req.max_tokens)
@@ -42,12 +49,18 @@ class ServingCompletion(ServingBase):
                   for ids in prompts]
         num_prompt_tokens = sum(len(ids) for ids in prompts)
         if req.stream:
-            events = self._stream(request_id, run.deltas, num_prompt_tokens, params.n, req, echoes)
+            events = self._stream(request_id, run.deltas, num_prompt_tokens, params.n, req, echoes, prompts)
             return self.sse(events, run)
         final = await self.final_output(raw_request, run)
-        choices = [CompletionChoice(index=o.index, text=echoes[o.index // params.n] + o.text,
-                                    finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-                                    logprobs=self._logprobs(o, 0, req.logprobs)) for o in final.outputs]
+        if score_only:
+            final.outputs = [_prompt_only(o) for o in final.outputs]
+        choices = []
+        for o in final.outputs:
+            prompt, echo = prompts[o.index // params.n], echoes[o.index // params.n]
+            choices.append(CompletionChoice(
+                index=o.index, text=echo + o.text, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                logprobs=self._logprobs(o, len(echo), req, prompt if req.echo else None),
+                prompt_logprobs=vllm_prompt_logprobs(prompt, o.prompt_logprobs, req.prompt_logprobs)))
         usage = final_usage(num_prompt_tokens, final)
         body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
@@ -65,23 +78,29 @@ class ServingCompletion(ServingBase):
                                 req.truncate_prompt_tokens, self.engine.config.max_model_len) for p in batch]
 
     async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
-                      n: int, req: CompletionRequest, echoes: list[str]) -> AsyncGenerator[str]:
+                      n: int, req: CompletionRequest, echoes: list[str],
+                      prompts: list[list[int]]) -> AsyncGenerator[str]:
         """The SSE chunks of one request: a chunk per delta of each choice (the first of each led by its
-        prompt when echoed), then the usage chunk if asked and an error event if the server aborted it
-        (`sse` adds `[DONE]`)."""
+        prompt and, with logprobs, the prompt's logprobs, when echoed), then the usage chunk if asked and an
+        error event if the server aborted it (`sse` adds `[DONE]`)."""
         created = int(time.time())
         total = n * len(echoes)
-        text_offsets = [0] * total  # characters each choice has streamed so far, for logprobs' text_offset
+        # Characters each choice has streamed so far, for logprobs' text_offset.
+        text_offsets = [len(echoes[index // n]) for index in range(total)]
         started = [False] * total
         tally = StreamTally(num_prompt_tokens)
         async for delta in deltas:
             for o in delta.outputs:
+                if req.echo and req.max_tokens == 0:
+                    o = _prompt_only(o)
                 tally.add(o)
-                text = o.text if started[o.index] else echoes[o.index // n] + o.text
+                leads = req.echo and not started[o.index]
+                text = echoes[o.index // n] + o.text if leads else o.text
                 started[o.index] = True
+                prompt = prompts[o.index // n] if leads else None
+                logprobs = self._logprobs(o, text_offsets[o.index], req, prompt)
                 choice = CompletionChoice(index=o.index, text=text, finish_reason=o.finish_reason,
-                                          stop_reason=o.stop_reason,
-                                          logprobs=self._logprobs(o, text_offsets[o.index], req.logprobs))
+                                          stop_reason=o.stop_reason, logprobs=logprobs)
                 text_offsets[o.index] += len(o.text)
                 usage = tally.usage() if req.continuous_usage else None
                 yield self._chunk(request_id, created, req.include_usage or usage is not None, choice, usage)
@@ -98,17 +117,42 @@ class ServingCompletion(ServingBase):
                                    choices=[choice] if choice else [], usage=usage)
         return sse_data(chunk, None if include_usage else {"usage"})
 
-    def _logprobs(self, o: CompletionOutput, offset: int, top: int | None) -> CompletionLogprobs | None:
-        """The legacy logprobs object for the tokens of `o`, their text starting at char `offset`."""
-        if top is None or o.logprobs is None:
+    def _logprobs(self, o: CompletionOutput, offset: int, req: CompletionRequest,
+                  prompt: list[int] | None) -> CompletionLogprobs | None:
+        """The legacy logprobs object: the echoed `prompt`'s tokens first, if given (their text from char 0),
+        then the tokens of `o`, their text starting at char `offset`."""
+        if req.logprobs is None or o.logprobs is None:
             return None
         result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for token_id, candidates in zip(o.token_ids, o.logprobs, strict=False):
-            text = self.token_text(token_id, candidates[token_id])
-            ranked = sorted(candidates.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top]
+        if prompt is not None and o.prompt_logprobs is not None:
+            self._add_logprobs(result, zip(prompt, o.prompt_logprobs, strict=True), 0, req)
+        self._add_logprobs(result, zip(o.token_ids, o.logprobs, strict=False), offset, req)
+        return result
+
+    def _add_logprobs(self, result: CompletionLogprobs,
+                      tokens: Iterable[tuple[int, dict[int, Logprob] | None]], offset: int,
+                      req: CompletionRequest) -> None:
+        """Appends each token with its logprob and the `logprobs` most likely at its place (none for the
+        prompt's first token, which nothing before it scores)."""
+        as_ids, tokenizer = req.return_tokens_as_token_ids, self.engine.tokenizer
+        for token_id, candidates in tokens:
+            text = token_label(tokenizer, token_id, candidates[token_id] if candidates else None, as_ids)
             result.tokens.append(text)
-            result.token_logprobs.append(candidates[token_id].logprob)
-            result.top_logprobs.append({self.token_text(t, lp): lp.logprob for t, lp in ranked})
             result.text_offset.append(offset)
             offset += len(text)
-        return result
+            if candidates is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            ranked = sorted(candidates.items(), key=lambda kv: kv[1].logprob, reverse=True)[:req.logprobs]
+            result.token_logprobs.append(candidates[token_id].logprob)
+            result.top_logprobs.append({token_label(tokenizer, t, lp, as_ids): lp.logprob
+                                        for t, lp in ranked})
+
+
+def _prompt_only(o: CompletionOutput) -> CompletionOutput:
+    """A choice of a request that scores its prompt only (`echo` with `max_tokens: 0`): the token the engine
+    generated is left out; a choice that ended badly keeps its finish reason."""
+    finish_reason = o.finish_reason if o.finish_reason in (None, "abort", "error") else "length"
+    return dataclasses.replace(o, text="", token_ids=[], logprobs=[] if o.logprobs is not None else None,
+                               finish_reason=finish_reason, stop_reason=None)
