@@ -1,8 +1,9 @@
 """Prompt logprobs: vLLM's `prompt_logprobs` and completions `echo` with `logprobs` (OpenAI's prompt scoring,
 `max_tokens: 0` included) equal a reference computed with transformers (log_softmax of a full forward pass)
 within 1e-4 in float32, through chunked prefill and batched prompts, against a real server of a tiny random
-model; the prefix cache still serves requests that do not ask; `return_tokens_as_token_ids`; and, in the
-scheduler, a preemption in the middle of a prefill never computes or sends a prompt position twice."""
+model, and with tensor parallelism (rank 0 scores the gathered rows); the prefix cache still serves requests
+that do not ask; `return_tokens_as_token_ids`; and, in the scheduler, a preemption in the middle of a
+prefill never computes or sends a prompt position twice."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import openai
 import pytest
 import torch
 
+from gracelm import Engine
 from gracelm.engine.request import Request
 from gracelm.engine.scheduler import Scheduler, SchedulerConfig
 from gracelm.model_step import PromptLogprobs, SampledToken
 from gracelm.sampling_params import SamplingParams
+from tests.process_checks import leftover_children
 from tests.server_process import ServerProcess
 from tests.tiny_models import tiny_model
 
@@ -209,6 +212,22 @@ def test_return_tokens_as_token_ids(client, server):
     assert content and all(re.fullmatch(r"token_id:\d+", c.token) and bytes(c.bytes).decode() == c.token
                            and all(re.fullmatch(r"token_id:\d+", t.token) for t in c.top_logprobs)
                            for c in content)
+
+
+def test_tensor_parallel_prompt_logprobs_match_transformers(model_dir, reference):
+    prompts = [list(range(5, 40)), list(range(100, 120))]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    # The module's server runs beside it: only the engine's own processes must be gone after it.
+    before = {p.pid for p in leftover_children(wait=0)}
+    with Engine(str(model_dir), tensor_parallel_size=2, dtype="float32", kv_cache_memory="4MiB",
+                num_threads=1, max_num_batched_tokens=8) as engine:
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+    for ids, out in zip(prompts, outputs, strict=True):
+        scored = [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                   "decoded_token": lp.decoded_token} for t, lp in e.items()}
+                  for e in out.outputs[0].prompt_logprobs]
+        _check_against(reference, ids, scored, 2)
+    assert [p for p in leftover_children() if p.pid not in before] == []
 
 
 # -- the scheduler: prompt rows over chunks and a preemption ----------------------------------------------
