@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import re
 
-from gracelm.entrypoints.tool_parsers import base
-from gracelm.entrypoints.tool_parsers.base import Content, Event, ToolParser
+from gracelm.entrypoints.tool_parsers.base import (
+    Content,
+    Event,
+    ToolParser,
+    calls_of,
+    decode_prefix,
+    held_back,
+)
 
 # The start of a list of call objects: only that, at the start of the output, is read as one.
 _LIST_START = re.compile(r"\s*\[\s*\{")
@@ -28,11 +34,11 @@ class CallListParser(ToolParser):
         events: list[Event] = []
         while self._buffer:
             if self._opened is not None:
-                decoded = base.decode_prefix(self._buffer)
+                decoded = decode_prefix(self._buffer)
                 if decoded is None:
                     return events
                 value, end = decoded
-                calls = base.calls_of(value) if isinstance(value, list) else None
+                calls = calls_of(value) if isinstance(value, list) else None
                 events.extend(calls or [Content(self._opened + self._buffer[:end])])
                 self._buffer, self._opened = self._buffer[end:], None
             elif self._at_start:
@@ -47,7 +53,7 @@ class CallListParser(ToolParser):
             else:
                 at = self._buffer.find(self.marker)
                 if at < 0:
-                    keep = base.held_back(self._buffer, self.marker)
+                    keep = held_back(self._buffer, self.marker)
                     events.append(Content(self._buffer[:keep]))
                     self._buffer = self._buffer[keep:]
                     return events

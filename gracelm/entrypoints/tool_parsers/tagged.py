@@ -4,8 +4,14 @@ a list of them: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Herm
 
 from __future__ import annotations
 
-from gracelm.entrypoints.tool_parsers import base
-from gracelm.entrypoints.tool_parsers.base import Content, Event, ToolParser
+from gracelm.entrypoints.tool_parsers.base import (
+    Content,
+    Event,
+    ToolParser,
+    calls_of,
+    decode_prefix,
+    held_back,
+)
 
 
 class TaggedParser(ToolParser):
@@ -24,7 +30,7 @@ class TaggedParser(ToolParser):
             at = self._buffer.find(tag)
             if at < 0:
                 if not self._inside:  # give out all but what may begin a start tag
-                    keep = base.held_back(self._buffer, tag)
+                    keep = held_back(self._buffer, tag)
                     events.append(Content(self._buffer[:keep]))
                     self._buffer = self._buffer[keep:]
                 return events
@@ -39,9 +45,9 @@ class TaggedParser(ToolParser):
         return events
 
     def _call(self, body: str, closed: bool) -> list[Event]:
-        decoded = base.decode_prefix(body)
+        decoded = decode_prefix(body)
         if decoded is not None and not body[decoded[1]:].strip():
-            calls = base.calls_of(decoded[0])
+            calls = calls_of(decoded[0])
             if calls:
                 return list(calls)
         return [Content(self.start_tag + body + (self.end_tag if closed else ""))]
