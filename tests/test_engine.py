@@ -137,9 +137,9 @@ def test_invalid_prompts_raise_before_anything_is_queued(model):
     with Engine(model, **BASE) as llm:
         with pytest.raises(ValueError, match="empty"):
             llm.generate("", GREEDY, use_tqdm=False)
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
             llm.generate([5] * 256, GREEDY, use_tqdm=False)
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
             llm.generate([[5, 6], [5] * 300], GREEDY, use_tqdm=False)  # the valid one is not queued either
         with pytest.raises(ValueError, match="token ids"):
             llm.generate([5, 10**6], GREEDY, use_tqdm=False)

@@ -366,8 +366,9 @@ def test_continuous_usage_stats_and_usage_chunk(client):
     chunks = list(client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, stream=True, extra_body=LONG,
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
-    with_choice = [c for c in chunks if c.choices]
-    assert [c.usage.completion_tokens for c in with_choice] == list(range(1, 5))
+    # A lagging reader may get two tokens in one delta: the counts grow with every chunk and end at 4.
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts[0] >= 1 and counts[-1] == 4 and counts == sorted(set(counts)), counts
     assert chunks[-1].usage.completion_tokens == 4 and not chunks[-1].choices
     quiet = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True,
                                            extra_body=LONG))
