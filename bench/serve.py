@@ -6,6 +6,14 @@ throughput, output tokens/s, time to first token (TTFT) and inter-token latency 
     python bench/serve.py run --base-url http://127.0.0.1:8000 --concurrency 1 8 32
     python bench/serve.py setup-llama-cpp              # optional: llama-cpp-python[server] in its own venv
     python bench/serve.py compare --concurrency 1 8 32 # gracelm vs llama.cpp on the default GGUF, one run
+    python bench/serve.py run --concurrency 1 32 --json-schema-fraction 0 0.5 1   # structured-output mix
+
+`--json-schema-fraction F ...` runs each concurrency level once per fraction F of requests under a JSON
+schema (`response_format: json_schema`, evenly spread among the requests), every request with
+`ignore_eos` so that constrained and free ones generate the same number of tokens, and reports each
+fraction's output tokens/s and ITL against the fraction 0 of the same session. `--rounds R` repeats the
+fractions R times in turn (each round in a rotated order) and reports the median of each round's ratios,
+for a host whose load drifts.
 
 `setup-llama-cpp` installs `llama-cpp-python[server]` into a separate virtual environment (never a
 dependency of gracelm); it compiles llama.cpp, about 7 minutes on 2 cores. `compare` starts `gracelm serve`
@@ -37,6 +45,12 @@ TOPICS = ["a lighthouse keeper", "the first snow of winter", "a lost city", "a r
           "a village festival", "a letter never sent", "the migration of birds", "a chess tournament"]
 TEMPLATES = ["Write a short story about {}.", "Describe {} in vivid detail.",
              "Tell me everything you know about {}.", "Write a poem about {}, then explain it."]
+# The structured-output mix: a bounded title, then free text, as an application asking for JSON would.
+BENCH_SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60},
+                                                 "text": {"type": "string"}},
+                "required": ["title", "text"], "additionalProperties": False}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": BENCH_SCHEMA,
+                                                          "strict": True}}
 
 
 @dataclass
@@ -54,11 +68,12 @@ def make_prompts(count: int, seed: int) -> list[str]:
     return [rng.choice(TEMPLATES).format(rng.choice(TOPICS)) for _ in range(count)]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> RequestResult:
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+                      extra: dict | None = None) -> RequestResult:
     """One streaming chat completion; a token is counted per content chunk (both servers send one per
-    token), or taken from `usage` when the server sends it."""
+    token), or taken from `usage` when the server sends it. `extra` goes into the body as it is."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.perf_counter()
     last, chunks, usage_tokens = None, 0, None
     result = RequestResult(ok=False)
@@ -92,11 +107,12 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
 
 
 async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                    api_key: str | None) -> dict:
-    """Runs every prompt with `concurrency` clients at once; returns the level's summary."""
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
+                    api_key: str | None, json_fraction: float | None = None) -> dict:
+    """Runs every prompt with `concurrency` clients at once; returns the level's summary. With
+    `json_fraction`, that share of the requests is under `RESPONSE_FORMAT`, and all ignore EOS."""
+    queue: asyncio.Queue[tuple[str, dict | None]] = asyncio.Queue()
+    for i, prompt in enumerate(prompts):
+        queue.put_nowait((prompt, None if json_fraction is None else _mix_extra(i, json_fraction)))
     results: list[RequestResult] = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency)
@@ -104,12 +120,20 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600, limits=limits) as client:
         async def worker() -> None:
             while not queue.empty():
-                results.append(await one_request(client, model, queue.get_nowait(), max_tokens))
+                prompt, extra = queue.get_nowait()
+                results.append(await one_request(client, model, prompt, max_tokens, extra))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         duration = time.perf_counter() - start
-    return summarize(results, duration, concurrency)
+    return {**summarize(results, duration, concurrency), "json_schema_fraction": json_fraction}
+
+
+def _mix_extra(index: int, fraction: float) -> dict:
+    """Request `index` of the mix: under the schema when the running share of constrained requests
+    crosses an integer here (so that a fraction f constrains f of every window of requests)."""
+    constrained = int((index + 1) * fraction) > int(index * fraction)
+    return {"ignore_eos": True, **({"response_format": RESPONSE_FORMAT} if constrained else {})}
 
 
 def summarize(results: list[RequestResult], duration: float, concurrency: int) -> dict:
@@ -154,11 +178,14 @@ class Load:
     max_tokens: int
     seed: int
     api_key: str | None = None
+    json_fractions: list[float] | None = None  # None: no structured-output mix
+    rounds: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Load:
         return cls(args.concurrency, args.num_prompts, args.max_tokens, args.seed,
-                   getattr(args, "api_key", None))
+                   getattr(args, "api_key", None), getattr(args, "json_schema_fraction", None),
+                   getattr(args, "rounds", 1))
 
 
 async def bench(base_url: str, model: str | None, load: Load) -> list[dict]:
@@ -171,8 +198,34 @@ async def bench(base_url: str, model: str | None, load: Load) -> list[dict]:
     rows = []
     for concurrency in load.levels:
         prompts = make_prompts(max(load.prompts_per_level, concurrency), load.seed)
-        rows.append(await run_level(base_url, model, prompts, concurrency, load.max_tokens, load.api_key))
+        fractions = load.json_fractions or [None]
+        for round_ in range(load.rounds):
+            shift = round_ % len(fractions)
+            for fraction in fractions[shift:] + fractions[:shift]:
+                row = await run_level(base_url, model, prompts, concurrency, load.max_tokens, load.api_key,
+                                      fraction)
+                rows.append({**row, "round": round_})
     return rows
+
+
+def print_mix(rows: list[dict]) -> None:
+    """Each fraction's output tokens/s and ITL p50 against the unconstrained run of its level and round:
+    the median over rounds of those ratios."""
+    print("\nstructured-output mix: cost against fraction 0 at the same concurrency (median over rounds)")
+    print(f"{'conc':>5} {'json %':>7} {'out tok/s':>10} {'ratio':>6} {'ITL p50':>8} {'ratio':>6} "
+          f"{'ITL p99':>8}   (ms)")
+    base = {(r["concurrency"], r["round"]): r for r in rows if r["json_schema_fraction"] == 0}
+    groups: dict[tuple[int, float], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["concurrency"], r["json_schema_fraction"]), []).append(r)
+    for (concurrency, fraction), runs in sorted(groups.items()):
+        refs = [(r, base[(concurrency, r["round"])]) for r in runs if (concurrency, r["round"]) in base]
+        tput = statistics.median(r["output_tokens_per_s"] / b["output_tokens_per_s"] for r, b in refs)
+        itl = statistics.median(r["itl_p50_ms"] / b["itl_p50_ms"] for r, b in refs)
+        print(f"{concurrency:>5} {100 * fraction:>6.0f}% "
+              f"{statistics.median(r['output_tokens_per_s'] for r in runs):>10.1f} {tput:>6.3f} "
+              f"{statistics.median(r['itl_p50_ms'] for r in runs):>8.1f} {itl:>6.3f} "
+              f"{statistics.median(r['itl_p99_ms'] for r in runs):>8.1f}")
 
 
 # -- servers for `compare` ------------------------------------------------------------------------------
@@ -278,6 +331,9 @@ def main() -> int:
     run.add_argument("--base-url", default="http://127.0.0.1:8000")
     run.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     run.add_argument("--api-key", default=os.environ.get("GRACELM_API_KEY"))
+    run.add_argument("--json-schema-fraction", type=float, nargs="+", default=None, metavar="F",
+                     help="run each level once per fraction F (0 to 1) of requests under a JSON schema")
+    run.add_argument("--rounds", type=int, default=1, help="with --json-schema-fraction: rounds of fractions")
     cmp = commands.add_parser("compare", help="gracelm vs llama.cpp's server on the same GGUF file")
     cmp.add_argument("--gguf", default=None, help="default: gracelm's default model")
     cmp.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
@@ -295,8 +351,12 @@ def main() -> int:
         setup_llama_cpp()
         return 0
     if args.command == "run":
+        if args.json_schema_fraction and not all(0 <= f <= 1 for f in args.json_schema_fraction):
+            parser.error("--json-schema-fraction: each fraction must be between 0 and 1")
         rows = asyncio.run(bench(args.base_url, args.model, Load.from_args(args)))
         print_table(args.base_url, rows)
+        if args.json_schema_fraction:
+            print_mix(rows)
         results: dict = {"server": rows}
     else:
         results = compare(args)

@@ -47,7 +47,7 @@ def test_mask_and_bias_touch_only_their_rows():
     params = [SamplingParams(temperature=1.0, seed=1)] * 3
     allowed = torch.zeros(1, 50, dtype=torch.bool)
     allowed[0, [7, 11]] = True
-    constraints = TokenConstraints(mask_rows=torch.tensor([1]), allowed=allowed,
+    constraints = TokenConstraints(mask_rows=torch.tensor([1]), disallowed=~allowed,
                                    bias_keys=torch.tensor([2 * 50 + 5]), bias_values=torch.tensor([100.0]))
     free = _sample(logits, params, None)
     for _ in range(20):
@@ -68,7 +68,7 @@ def test_grammar_mask_follows_the_output(tokenizer):
     output: list[int] = []
     for token in ids:
         constraints = states.build(["r"], [params], [output])
-        allowed = constraints.allowed[0]
+        allowed = ~constraints.disallowed[0]
         assert bool(allowed[token]), (output, token)
         # The end of sequence only where the text so far is a whole match.
         complete = re.fullmatch(PATTERN, tokenizer.decode(output)) is not None
@@ -78,12 +78,12 @@ def test_grammar_mask_follows_the_output(tokenizer):
         states.advance("r", token)
         output.append(token)
     # Complete: end of sequence allowed now.
-    assert bool(states.build(["r"], [params], [output]).allowed[0][tokenizer.eos_token_id])
+    assert not bool(states.build(["r"], [params], [output]).disallowed[0][tokenizer.eos_token_id])
     # A matcher out of step with the output (a preempted request recomputed; a token never recorded) is
     # rebuilt from the output tokens: the same mask as one that followed them.
     states.advance("r", ids[-1])
-    again = states.build(["r"], [params], [output]).allowed[0]
-    fresh = ConstraintStates(tokenizer, VOCAB_SIZE).build(["s"], [params], [output]).allowed[0]
+    again = states.build(["r"], [params], [output]).disallowed[0]
+    fresh = ConstraintStates(tokenizer, VOCAB_SIZE).build(["s"], [params], [output]).disallowed[0]
     assert torch.equal(again, fresh)
     states.release(["r"])
     assert len(states) == 0

@@ -60,19 +60,23 @@ def make_generator(seed: int) -> torch.Generator:
 @dataclass
 class TokenConstraints:
     """The step's token constraints (`model/token_constraints.py` builds them): which tokens the masked
-    rows may sample, and additive biases as sparse `row * vocab_size + token` updates (-inf bans a token).
-    Only constrained rows are listed, so an unconstrained batch pays nothing."""
+    rows may not sample, and additive biases as sparse `row * vocab_size + token` updates (-inf bans a
+    token). Only constrained rows are listed, so an unconstrained batch pays nothing; the mask costs one
+    pass over the masked rows' logits."""
 
-    mask_rows: torch.Tensor | None  # int64 rows that have a mask
-    allowed: torch.Tensor | None  # [len(mask_rows), V] bool
+    mask_rows: torch.Tensor | None  # int64 rows that have a mask; None: every row
+    disallowed: torch.Tensor | None  # [len(mask_rows) or B, V] bool; None: no row has a mask
     bias_keys: torch.Tensor | None  # int64 flat keys; a key listed twice gets both biases
     bias_values: torch.Tensor | None  # float32, per key
 
     def apply(self, logits: torch.Tensor) -> None:
         """Constrains `logits` [B, V] in place."""
-        if self.mask_rows is not None:
-            assert self.allowed is not None
-            logits[self.mask_rows] = logits[self.mask_rows].masked_fill_(~self.allowed, -torch.inf)
+        if self.disallowed is not None:
+            if self.mask_rows is None:
+                logits.masked_fill_(self.disallowed, -torch.inf)
+            else:
+                masked = logits.index_select(0, self.mask_rows).masked_fill_(self.disallowed, -torch.inf)
+                logits.index_copy_(0, self.mask_rows, masked)
         if self.bias_keys is not None:
             logits.view(-1).index_add_(0, self.bias_keys, self.bias_values)
 

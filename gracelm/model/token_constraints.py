@@ -7,8 +7,10 @@ never needs to be told about the scheduler's decisions. A matcher is a copy of a
 per distinct constraint (`GrammarCompiler`, bounded LRU). `bad_words` are tokenized once per request.
 
 Per step, only the rows that have a constraint cost anything: their grammar masks are filled in parallel
-(llguidance's executor, outside the GIL), `allowed_token_ids` and the grammar give one boolean row each,
-and `logit_bias` and the bad words one sparse bias (-inf for a banned token). When a grammar is complete
+(llguidance's executor, outside the GIL) as packed bits, `allowed_token_ids` is ANDed in as packed bits
+too, and the result is unpacked once (numpy's table-driven `unpackbits`: 0.1-0.3 ms for 32 rows of
+49,152 tokens, where shifting bits with torch took about 20 ms) into the rows' disallowed tokens;
+`logit_bias` and the bad words give one sparse bias (-inf for a banned token). When a grammar is complete
 it allows only the end-of-sequence tokens, so the request stops there.
 
 Errors belong to their request: a grammar that does not compile, a token the matcher refuses or a row
@@ -23,6 +25,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
@@ -36,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 # Distinct constraints whose compiled grammar is kept (clients tend to send the same few schemas).
 _GRAMMAR_CACHE_SIZE = 64
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def has_constraints(params: SamplingParams) -> bool:
@@ -89,7 +91,7 @@ class RequestConstraints:
     matcher: LLMatcher | None
     bad_words: list[list[int]]
     consumed: int = 0
-    allowed_row: torch.Tensor | None = field(default=None, repr=False)  # [V] bool, allowed_token_ids
+    allowed_words: np.ndarray | None = field(default=None, repr=False)  # allowed_token_ids as packed bits
 
     def follow(self, compiler: GrammarCompiler, output_token_ids: list[int]) -> None:
         """Brings the matcher to the end of `output_token_ids` (rebuilding it if it was elsewhere)."""
@@ -137,8 +139,8 @@ class ConstraintStates:
         if not rows:
             return None
         states = {i: self._state(request_ids[i], params[i], output_token_ids[i]) for i in rows}
-        masked = [i for i in rows if states[i].matcher is not None or states[i].allowed_row is not None]
-        allowed = self._allowed(masked, states) if masked else None
+        masked = [i for i in rows if states[i].matcher is not None or states[i].allowed_words is not None]
+        disallowed = self._disallowed(masked, states, request_ids) if masked else None
         keys: list[int] = []
         values: list[float] = []
         for i in rows:
@@ -148,14 +150,9 @@ class ConstraintStates:
             for token in states[i].banned(output_token_ids[i]):
                 keys.append(i * self._vocab_size + token)
                 values.append(-torch.inf)
-        if allowed is not None:
-            empty = torch.nonzero(~allowed.any(dim=1)).flatten().tolist()
-            if empty:
-                row = masked[empty[0]]
-                raise ValueError(f"request {request_ids[row]}: no token is allowed by its constraints "
-                                 f"(structured output and allowed_token_ids)")
+        every_row = len(masked) == len(params)
         return TokenConstraints(
-            mask_rows=torch.tensor(masked, dtype=torch.int64) if masked else None, allowed=allowed,
+            mask_rows=None if every_row else torch.tensor(masked, dtype=torch.int64), disallowed=disallowed,
             bias_keys=torch.tensor(keys, dtype=torch.int64) if keys else None,
             bias_values=torch.tensor(values, dtype=torch.float32) if keys else None)
 
@@ -191,12 +188,14 @@ class ConstraintStates:
         matcher = None
         if params.structured_outputs is not None:
             matcher = self._compiler.matcher(params.structured_outputs)
-        allowed_row = None
+        allowed_words = None
         if params.allowed_token_ids is not None:
-            allowed_row = torch.zeros(self._vocab_size, dtype=torch.bool)
             ids = [self._known(t, request_id, "allowed_token_ids") for t in params.allowed_token_ids]
-            allowed_row[ids] = True
-        return RequestConstraints(params, matcher, self._bad_words(params.bad_words), allowed_row=allowed_row)
+            allowed = np.zeros(allocate_token_bitmask(1, self._vocab_size).shape[1] * 32, dtype=bool)
+            allowed[ids] = True
+            allowed_words = np.packbits(allowed, bitorder="little").view(np.int32)
+        return RequestConstraints(params, matcher, self._bad_words(params.bad_words),
+                                  allowed_words=allowed_words)
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as it would be written alone and after a space (distinct sequences only)."""
@@ -208,22 +207,25 @@ class ConstraintStates:
                     sequences[tuple(ids)] = list(ids)
         return list(sequences.values())
 
-    def _allowed(self, rows: list[int], states: dict[int, RequestConstraints]) -> torch.Tensor:
-        """[len(rows), V] bool: what each masked row may sample."""
+    def _disallowed(self, rows: list[int], states: dict[int, RequestConstraints],
+                    request_ids: list[str]) -> torch.Tensor:
+        """[len(rows), V] bool: what each masked row may not sample."""
+        bitmask = allocate_token_bitmask(len(rows), self._vocab_size)  # all allowed
         grammar_rows = [(states[i].matcher, j) for j, i in enumerate(rows) if states[i].matcher is not None]
         if grammar_rows:
-            bitmask = allocate_token_bitmask(len(rows), self._vocab_size)
             if self._executor is None:
                 self._executor = LLExecutor()
             fill_next_token_bitmask_par(self._executor, grammar_rows, bitmask)
-            bits = torch.from_numpy(bitmask).unsqueeze(-1).bitwise_right_shift(_BITS).bitwise_and_(1)
-            allowed = bits.view(len(rows), -1)[:, :self._vocab_size].bool()
-        else:
-            allowed = torch.ones(len(rows), self._vocab_size, dtype=torch.bool)
         for j, i in enumerate(rows):
-            if states[i].allowed_row is not None:
-                allowed[j] &= states[i].allowed_row
-        return allowed
+            if states[i].allowed_words is not None:
+                bitmask[j] &= states[i].allowed_words
+        empty = np.flatnonzero(~bitmask.any(axis=1))
+        if empty.size:
+            raise ValueError(f"request {request_ids[rows[empty[0]]]}: no token is allowed by its constraints "
+                             f"(structured output and allowed_token_ids)")
+        # Little-endian words: bit k of word w is token 32 * w + k.
+        bits = np.unpackbits(np.invert(bitmask).view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, :self._vocab_size].view(np.bool_))
 
     def _known(self, token_id: int, request_id: str, field_name: str) -> int:
         if token_id >= self._vocab_size:
