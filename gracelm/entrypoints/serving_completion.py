@@ -34,6 +34,7 @@ class ServingCompletion(ServingBase):
                      raw_request: Request) -> JSONResponse | StreamingResponse:
         self.check_model(req.model)
         refuse_unsupported(req)
+        self.check_logprobs(req.logprobs, "logprobs")
         self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         score_only = req.echo and req.max_tokens == 0
         params = self.sampling_params(req, max_tokens=1 if score_only else req.max_tokens,
