@@ -86,7 +86,8 @@ class ServingCompletion(ServingBase):
         error event if the server aborted it (`sse` adds `[DONE]`)."""
         created = int(time.time())
         total = n * len(echoes)
-        # Characters each choice has streamed so far, for logprobs' text_offset.
+        # Where each choice's next token starts, for logprobs' text_offset: counted over the tokens' texts,
+        # as the plain answer counts them (a delta's text can differ: some of it may be held back).
         text_offsets = [len(echoes[index // n]) for index in range(total)]
         started = [False] * total
         tally = StreamTally(num_prompt_tokens)
@@ -102,7 +103,8 @@ class ServingCompletion(ServingBase):
                 logprobs = self._logprobs(o, text_offsets[o.index], req, prompt)
                 choice = CompletionChoice(index=o.index, text=text, finish_reason=o.finish_reason,
                                           stop_reason=o.stop_reason, logprobs=logprobs)
-                text_offsets[o.index] += len(o.text)
+                if logprobs is not None and logprobs.tokens:
+                    text_offsets[o.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 usage = tally.usage() if req.continuous_usage else None
                 yield self._chunk(request_id, created, req.include_usage or usage is not None, choice, usage)
         if req.include_usage:
