@@ -5,7 +5,8 @@ and `logit_bias`, vLLM's `structured_outputs`, `guided_json` / `guided_regex` / 
 At most one structured-output constraint per request; each is compiled once here (llguidance, no
 tokenizer needed), so that a schema or grammar the engine could not follow is a 400 naming its field
 instead of a failed request later. Whitespace in generated JSON is always compact (`", "`, `": "`), so
-`disable_any_whitespace` may only be true and `guided_whitespace_pattern` is refused.
+`disable_any_whitespace` may only be true (and `request_fields.py` refuses `guided_whitespace_pattern`
+and any `guided_decoding_backend` but llguidance).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from gracelm.structured_output import StructuredOutputs, check_grammar
 # does anyway (no fallback to another backend exists; whitespace is never free).
 _CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _NO_OP_OPTIONS = {"disable_fallback": (True, False), "disable_any_whitespace": (True,)}
-# `guided_decoding_backend`: the names that mean this server's one backend.
-_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 def constraint_fields(req: SamplingFields, vocab_size: int) -> dict[str, Any]:
@@ -43,9 +42,6 @@ def constraint_fields(req: SamplingFields, vocab_size: int) -> dict[str, Any]:
 
 
 def _structured_outputs(req: SamplingFields) -> StructuredOutputs | None:
-    if req.guided_decoding_backend not in (None, *_BACKENDS):
-        raise _bad("guided_decoding_backend", f"the only backend is llguidance (or {', '.join(_BACKENDS)}); "
-                                              f"got {req.guided_decoding_backend!r}")
     guided_json, regex, grammar = req.guided_json, req.guided_regex, req.guided_grammar
     found = [(name, c) for name, c in (
         ("response_format", _response_format(req.response_format)),

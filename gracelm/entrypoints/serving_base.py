@@ -24,6 +24,7 @@ from gracelm.engine.outputs import CompletionOutput, RequestOutput
 from gracelm.engine.request import PromptError, context_overflow_message
 from gracelm.entrypoints import prompt_batch
 from gracelm.entrypoints.api_errors import APIError, from_value_error
+from gracelm.entrypoints.constraint_fields import constraint_fields
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import SamplingFields, Usage
 from gracelm.entrypoints.request_limits import RequestLimits
@@ -81,8 +82,10 @@ class ServingBase:
         # else SamplingParams' own; max_tokens left out runs to the end of the context.
         defaults = self.served.defaults
         fields = {k: defaults[k] if v is None and k in defaults else v for k, v in fields.items()}
+        fields = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
+        fields.update(constraint_fields(req, self.engine.model_config.vocab_size))
         try:
-            return SamplingParams(**{k: v for k, v in fields.items() if v is not None or k == "max_tokens"})
+            return SamplingParams(**fields)
         except ValueError as exc:
             raise from_value_error(exc) from None
 
