@@ -199,6 +199,7 @@ def test_bad_words_never_appear(client):
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"allowed_token_ids": [10000000]}, "allowed_token_ids"),
     ({"bad_words": [" "]}, "bad_words"),
+    ({"guided_regex": "a+", "min_tokens": 4}, "min_tokens"),
 ])
 def test_refusals_name_the_field(server, body, param):
     for path, base in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": PROMPT})):

@@ -57,6 +57,8 @@ def _structured_outputs(req: SamplingFields) -> StructuredOutputs | None:
         raise _bad(found[1][0], f"only one structured-output constraint per request; {found[0][0]} is set "
                                 f"too")
     name, constraint = found[0]
+    if req.min_tokens:  # a grammar complete before N tokens would leave no token allowed at all
+        raise _bad("min_tokens", f"min_tokens is not supported together with {name}")
     try:
         check_grammar(constraint, name)
     except ValueError as exc:
