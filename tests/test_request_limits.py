@@ -51,7 +51,8 @@ def test_stop_strings_beyond_the_limits_are_refused_naming_the_option(server, st
     assert at_limit.status_code == 200, at_limit.text
 
 
-def test_health_answers_while_the_costliest_allowed_request_runs(server):
+def _probe_while_costliest_runs(server, probes: list[float]) -> list[str]:
+    """Streams the costliest request while `/health` is probed again and again; returns its SSE events."""
     events: list[str] = []
     started = threading.Event()
 
@@ -67,7 +68,6 @@ def test_health_answers_while_the_costliest_allowed_request_runs(server):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert started.wait(120), "the costly request never started"
-    probes = []
     while thread.is_alive():
         begun = time.monotonic()
         # A probe that waits more than a second (far more than the loop ever should) raises here.
@@ -75,12 +75,35 @@ def test_health_answers_while_the_costliest_allowed_request_runs(server):
         probes.append(time.monotonic() - begun)
         time.sleep(0.02)
     thread.join()
-    assert events[-1] == "[DONE]" and len(probes) >= 5, (len(probes), events[-3:])
-    choices = [c for event in events[:-1] for c in json.loads(event)["choices"]]
-    reasons = [c["finish_reason"] for c in choices if c["finish_reason"]]
-    assert reasons == ["length"] * MAX_N
+    return events
+
+
+def test_health_answers_while_the_costliest_allowed_request_runs(server):
+    probes: list[float] = []
+    for _ in range(10):  # on a fast machine one request may end before five probes: another is sent
+        events = _probe_while_costliest_runs(server, probes)
+        assert events[-1] == "[DONE]", events[-3:]
+        choices = [c for event in events[:-1] for c in json.loads(event)["choices"]]
+        reasons = [c["finish_reason"] for c in choices if c["finish_reason"]]
+        assert reasons == ["length"] * MAX_N
+        if len(probes) >= 5:
+            break
+    assert len(probes) >= 5, probes
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert metric_value(metrics, "gracelm_kv_cache_usage_perc") == 0
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP response with a Content-Length (its head and body may come in separate reads)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def _closed_within(sock: socket.socket, limit: float) -> float:
@@ -125,7 +148,7 @@ def test_a_kept_alive_connection_serves_whole_requests_and_cuts_off_a_slow_one(s
         for _ in range(2):
             time.sleep(HEADER_TIMEOUT * 0.6)  # together longer than the timeout: each request has its own
             sock.sendall(request)
-            answer = sock.recv(65536)
+            answer = _read_response(sock)
             assert answer.startswith(b"HTTP/1.1 200"), answer
         sock.sendall(b"GET /health HTTP/1.1\r\n")  # and the rest never comes
         elapsed = _closed_within(sock, 30)

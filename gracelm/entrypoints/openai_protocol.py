@@ -120,6 +120,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # In the published schema, so that its readers (and the schema fuzzer's first phase) have one valid body.
+    model_config = ConfigDict(**_REQUEST_CONFIG, json_schema_extra={
+        "examples": [{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -154,6 +158,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(**_REQUEST_CONFIG, json_schema_extra={
+        "examples": [{"prompt": "Once upon a time", "max_tokens": 8}]})
+
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for the legacy completions endpoint
     logprobs: int | None = None
