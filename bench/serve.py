@@ -1,11 +1,12 @@
 """Load generator for OpenAI-compatible servers, in the spirit of `vllm bench serve` (run by hand).
 
-Fixed-seed prompts, a fixed number of concurrent clients, streaming chat completions; reports request
-throughput, output tokens/s, time to first token (TTFT) and inter-token latency (ITL) p50 / p99.
+Fixed-seed prompts, a fixed number of concurrent clients, streaming chat completions (or plain
+completions, `--endpoint completions`); reports request throughput, output tokens/s, time to first token
+(TTFT) and inter-token latency (ITL) p50 / p99.
 
     python bench/serve.py run --base-url http://127.0.0.1:8000 --concurrency 1 8 32
-    python bench/serve.py setup-llama-cpp              # optional: llama-cpp-python[server] in its own venv
-    python bench/serve.py compare --concurrency 1 8 32 # gracelm vs llama.cpp on the default GGUF, one run
+    python bench/serve.py setup-llama-cpp              # builds llama.cpp's llama-server in its own folder
+    python bench/serve.py compare --concurrency 1 8 32 --max-tokens 128 --repeats 2
     python bench/serve.py run --concurrency 1 32 --json-schema-fraction 0 0.5 1   # structured-output mix
 
 `--json-schema-fraction F ...` runs each concurrency level once per fraction F of requests under a JSON
@@ -15,9 +16,16 @@ fraction's output tokens/s and ITL against the fraction 0 of the same session. `
 fractions R times in turn (each round in a rotated order) and reports the median of each round's ratios,
 for a host whose load drifts.
 
-`setup-llama-cpp` installs `llama-cpp-python[server]` into a separate virtual environment (never a
-dependency of gracelm); it compiles llama.cpp, about 7 minutes on 2 cores. `compare` starts `gracelm serve`
-and llama.cpp's server on the same GGUF file, one after the other on free ports, and loads each the same way.
+`setup-llama-cpp` builds llama.cpp's C++ `llama-server`, `llama-bench` and `llama-batched-bench` from the
+llama.cpp source vendored in the llama-cpp-python sdist, in its own folder (never a dependency of
+gracelm); about 15 minutes on 2 cores. `--python-wrapper` also installs llama-cpp-python[server] into a
+separate virtual environment. `compare` starts `gracelm serve` and `llama-server -t T -np 32 -c 32768`
+(continuous batching, 32 slots) on the same GGUF file, one at a time on free ports, and loads each the
+same way: streaming `/v1/completions` of exactly `--max-tokens` tokens (`ignore_eos`; a request whose
+`usage` counts other than that fails). `--repeats R` runs the servers R times, the order swapped each
+repeat, and reports gracelm / llama-server ratios per repeat and their median. `--llama-cpp-python` adds
+the Python wrapper's server as a further peer (`--interrupt_requests False`, else a new request cuts a
+running stream).
 """
 
 from __future__ import annotations
@@ -32,14 +40,21 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
-LLAMA_VENV = Path(os.environ.get("GRACELM_BENCH_LLAMA_VENV", Path.home() / ".cache/gracelm-bench/llama-venv"))
+BENCH_CACHE = Path.home() / ".cache/gracelm-bench"
+LLAMA_DIR = Path(os.environ.get("GRACELM_BENCH_LLAMA_DIR", BENCH_CACHE / "llama.cpp"))
+LLAMA_VENV = Path(os.environ.get("GRACELM_BENCH_LLAMA_VENV", BENCH_CACHE / "llama-venv"))
+# The llama-cpp-python release whose sdist vendors the llama.cpp source that `setup-llama-cpp` builds.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_TARGETS = ["llama-server", "llama-bench", "llama-batched-bench"]
 TOPICS = ["a lighthouse keeper", "the first snow of winter", "a lost city", "a robot learning to paint",
           "the history of bread", "a journey across the desert", "an old clockmaker", "the ocean at night",
           "a village festival", "a letter never sent", "the migration of birds", "a chess tournament"]
@@ -68,17 +83,20 @@ def make_prompts(count: int, seed: int) -> list[str]:
     return [rng.choice(TEMPLATES).format(rng.choice(TOPICS)) for _ in range(count)]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, load: Load,
                       extra: dict | None = None) -> RequestResult:
-    """One streaming chat completion; a token is counted per content chunk (both servers send one per
-    token), or taken from `usage` when the server sends it. `extra` goes into the body as it is."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    """One streaming request to `load.endpoint`; a token is counted per chunk with text (every server here
+    sends one per token), or taken from `usage` when the server sends it. `extra` goes into the body as
+    it is. With `load.ignore_eos`, a request whose `usage` is missing or counts other than
+    `load.max_tokens` fails: the servers compared must generate the same number of tokens."""
+    body = {"model": model, "max_tokens": load.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **ENDPOINTS[load.endpoint].body(prompt),
+            **({"ignore_eos": True} if load.ignore_eos else {}), **(extra or {})}
     start = time.perf_counter()
     last, chunks, usage_tokens = None, 0, None
     result = RequestResult(ok=False)
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", ENDPOINTS[load.endpoint].path, json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -88,7 +106,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
                 event = json.loads(line[6:])
                 if event.get("usage"):
                     usage_tokens = event["usage"]["completion_tokens"]
-                if not any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                if not any(ENDPOINTS[load.endpoint].text(c) for c in event.get("choices", [])):
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -100,28 +118,45 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
-    result.ok = True
     result.latency = time.perf_counter() - start
     result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    if load.ignore_eos and usage_tokens != load.max_tokens:
+        result.error = f"usage: {usage_tokens} completion tokens, {load.max_tokens} asked"
+        return result
+    result.ok = True
     return result
 
 
-async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                    api_key: str | None, json_fraction: float | None = None) -> dict:
+@dataclass(frozen=True)
+class Endpoint:
+    path: str
+    body: Callable[[str], dict]
+    text: Callable[[dict], str | None]  # a streamed choice's new text
+
+
+ENDPOINTS = {
+    "chat": Endpoint("/v1/chat/completions", lambda p: {"messages": [{"role": "user", "content": p}]},
+                     lambda choice: choice.get("delta", {}).get("content")),
+    "completions": Endpoint("/v1/completions", lambda p: {"prompt": p}, lambda choice: choice.get("text")),
+}
+
+
+async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, load: Load,
+                    json_fraction: float | None = None) -> dict:
     """Runs every prompt with `concurrency` clients at once; returns the level's summary. With
     `json_fraction`, that share of the requests is under `RESPONSE_FORMAT`, and all ignore EOS."""
     queue: asyncio.Queue[tuple[str, dict | None]] = asyncio.Queue()
     for i, prompt in enumerate(prompts):
         queue.put_nowait((prompt, None if json_fraction is None else _mix_extra(i, json_fraction)))
     results: list[RequestResult] = []
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
     limits = httpx.Limits(max_connections=concurrency)
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600, limits=limits) as client:
         async def worker() -> None:
             while not queue.empty():
                 prompt, extra = queue.get_nowait()
-                results.append(await one_request(client, model, prompt, max_tokens, extra))
+                results.append(await one_request(client, model, prompt, load, extra))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -180,12 +215,16 @@ class Load:
     api_key: str | None = None
     json_fractions: list[float] | None = None  # None: no structured-output mix
     rounds: int = 1
+    endpoint: str = "chat"
+    ignore_eos: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Load:
-        return cls(args.concurrency, args.num_prompts, args.max_tokens, args.seed,
-                   getattr(args, "api_key", None), getattr(args, "json_schema_fraction", None),
-                   getattr(args, "rounds", 1))
+        if args.command == "compare":  # the same number of tokens from every server, the same prompt text
+            return cls(args.concurrency, args.num_prompts, args.max_tokens, args.seed,
+                       endpoint="completions", ignore_eos=True)
+        return cls(args.concurrency, args.num_prompts, args.max_tokens, args.seed, args.api_key,
+                   args.json_schema_fraction, args.rounds, args.endpoint, args.ignore_eos)
 
 
 async def bench(base_url: str, model: str | None, load: Load) -> list[dict]:
@@ -194,7 +233,7 @@ async def bench(base_url: str, model: str | None, load: Load) -> list[dict]:
         async with httpx.AsyncClient(base_url=base_url, headers=headers) as client:
             model = (await client.get("/v1/models")).json()["data"][0]["id"]
     # One warm-up request, so that the first level does not pay for lazy initialisation.
-    await run_level(base_url, model, make_prompts(1, load.seed + 1), 1, 8, load.api_key)
+    await run_level(base_url, model, make_prompts(1, load.seed + 1), 1, replace(load, max_tokens=8))
     rows = []
     for concurrency in load.levels:
         prompts = make_prompts(max(load.prompts_per_level, concurrency), load.seed)
@@ -202,8 +241,7 @@ async def bench(base_url: str, model: str | None, load: Load) -> list[dict]:
         for round_ in range(load.rounds):
             shift = round_ % len(fractions)
             for fraction in fractions[shift:] + fractions[:shift]:
-                row = await run_level(base_url, model, prompts, concurrency, load.max_tokens, load.api_key,
-                                      fraction)
+                row = await run_level(base_url, model, prompts, concurrency, load, fraction)
                 rows.append({**row, "round": round_})
     return rows
 
@@ -243,10 +281,11 @@ def default_gguf() -> Path:
 
 
 class Server:
-    """A server process for one side of the comparison, stopped with SIGTERM (SIGKILL after 30 s)."""
+    """A server process for one side of the comparison, ready when `ready_path` answers 200, stopped with
+    SIGTERM (SIGKILL after 30 s)."""
 
-    def __init__(self, label: str, command: list[str], port: int, log: Path) -> None:
-        self.label, self.port = label, port
+    def __init__(self, label: str, command: list[str], port: int, log: Path, ready_path: str) -> None:
+        self.label, self.port, self.ready_path = label, port, ready_path
         self.base_url = f"http://127.0.0.1:{port}"
         self._log = log.open("w")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
@@ -257,11 +296,11 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.label} exited ({self.process.returncode}); see {self._log.name}")
             try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{self.base_url}{self.ready_path}", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)
         raise TimeoutError(f"{self.label} not ready after {timeout} s")
 
     def stop(self) -> None:
@@ -275,52 +314,160 @@ class Server:
         self._log.close()
 
 
-def gracelm_server(gguf: Path, log_dir: Path) -> Server:
+def gracelm_server(gguf: Path, log: Path) -> Server:
     port = free_port()
     command = [str(Path(sys.executable).parent / "gracelm"), "serve", str(gguf), "--port", str(port),
                "--stats-interval", "0"]
-    return Server("gracelm", command, port, log_dir / "gracelm.log")
+    return Server("gracelm", command, port, log, "/ready")
 
 
-def llama_cpp_server(gguf: Path, log_dir: Path, threads: int) -> Server:
+def llama_server(binary: Path, gguf: Path, log: Path, threads: int) -> Server:
+    """llama.cpp's C++ server with continuous batching over 32 slots of 1,024 tokens each."""
+    if not binary.exists():
+        raise SystemExit(f"no llama-server at {binary}; run `bench/serve.py setup-llama-cpp` or give "
+                         "--llama-server PATH")
+    port = free_port()
+    command = [str(binary), "-m", str(gguf), "-t", str(threads), "-np", "32", "-c", "32768", "-cb",
+               "--host", "127.0.0.1", "--port", str(port)]
+    return Server("llama-server", command, port, log, "/health")
+
+
+def llama_cpp_python_server(gguf: Path, log: Path, threads: int) -> Server:
     python = LLAMA_VENV / "bin" / "python"
     if not python.exists():
-        raise SystemExit(f"no llama.cpp venv at {LLAMA_VENV}; run `bench/serve.py setup-llama-cpp` first")
+        raise SystemExit(f"no llama-cpp-python venv at {LLAMA_VENV}; run `bench/serve.py setup-llama-cpp "
+                         "--python-wrapper` first")
     port = free_port()
+    # Without --interrupt_requests False, each new request cuts the stream that is running.
     command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-               "--port", str(port), "--n_ctx", "2048", "--n_threads", str(threads)]
-    return Server("llama.cpp", command, port, log_dir / "llama_cpp.log")
+               "--port", str(port), "--n_ctx", "2048", "--n_threads", str(threads),
+               "--interrupt_requests", "False"]
+    return Server("llama-cpp-python", command, port, log, "/v1/models")
 
 
-def setup_llama_cpp() -> None:
+# -- building llama.cpp ---------------------------------------------------------------------------------
+
+# ggml's x86 ISA options and the /proc/cpuinfo flags each needs (GGML_AVX512 compiles for F, CD, VL, DQ, BW).
+GGML_ISA_FLAGS = {
+    "GGML_SSE42": {"sse4_2"}, "GGML_AVX": {"avx"}, "GGML_AVX2": {"avx2"}, "GGML_FMA": {"fma"},
+    "GGML_F16C": {"f16c"}, "GGML_BMI2": {"bmi2"}, "GGML_AVX_VNNI": {"avx_vnni"},
+    "GGML_AVX512": {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"},
+    "GGML_AVX512_VBMI": {"avx512vbmi"}, "GGML_AVX512_VNNI": {"avx512_vnni"},
+    "GGML_AVX512_BF16": {"avx512_bf16"},
+}
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The ISA flags of the first CPU listed in a /proc/cpuinfo text."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def ggml_cpu_options(flags: set[str]) -> list[str]:
+    """cmake options naming the ISA extensions ggml may use, each only when the CPU has it, AMX never.
+    Not GGML_NATIVE: its -march=native turns on ggml's AMX code on a CPU that has AMX, and a llama-server
+    so built died of SIGILL / SIGSEGV on such a machine once started with 32 slots (`-np 32 -c 32768`),
+    where the same source built with the extensions listed one by one, AMX left out, serves."""
+    options = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return options + [f"-D{option}={'ON' if needs <= flags else 'OFF'}"
+                      for option, needs in GGML_ISA_FLAGS.items()]
+
+
+def setup_llama_cpp(directory: Path, jobs: int) -> Path:
+    """Downloads the llama-cpp-python sdist into `directory`, unpacks it and builds the llama.cpp tools
+    it vendors there; returns the llama-server binary."""
+    directory.mkdir(parents=True, exist_ok=True)
+    sdist = directory / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "--dest", str(directory)],
+                       check=True)
+    source = directory / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
+    if not source.exists():
+        with tarfile.open(sdist) as archive:
+            archive.extractall(directory, filter="data")
+    build = directory / "build"
+    options = ggml_cpu_options(cpu_flags(Path("/proc/cpuinfo").read_text()))
+    print("cmake options:", " ".join(options))
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", *options], check=True)
+    subprocess.run(["cmake", "--build", str(build), f"-j{jobs}", "--target", *LLAMA_TARGETS], check=True)
+    binary = build / "bin" / "llama-server"
+    print(f"built {', '.join(LLAMA_TARGETS)} in {binary.parent}")
+    return binary
+
+
+def setup_python_wrapper() -> None:
     """Creates the separate venv and installs llama-cpp-python[server] there (compiles llama.cpp)."""
     LLAMA_VENV.parent.mkdir(parents=True, exist_ok=True)
     if not (LLAMA_VENV / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(LLAMA_VENV)], check=True)
     pip = [str(LLAMA_VENV / "bin" / "python"), "-m", "pip", "install", "--upgrade"]
     subprocess.run([*pip, "pip"], check=True)
-    subprocess.run([*pip, "llama-cpp-python[server]"], check=True)
+    subprocess.run([*pip, f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}"], check=True)
     print(f"llama-cpp-python[server] installed in {LLAMA_VENV}")
 
+
+# -- compare --------------------------------------------------------------------------------------------
 
 def compare(args: argparse.Namespace) -> dict:
     gguf = Path(args.gguf) if args.gguf else default_gguf()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="gracelm-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"server logs in {log_dir}")
-    results = {}
-    # One server at a time: on a 2-core machine two would steal each other's CPU.
-    starters = (lambda: gracelm_server(gguf, log_dir), lambda: llama_cpp_server(gguf, log_dir, args.threads))
-    for start in starters:
-        server = start()
-        try:
-            server.wait_ready()
-            rows = asyncio.run(bench(server.base_url, None, Load.from_args(args)))
-        finally:
-            server.stop()
-        results[server.label] = rows
-        print_table(f"{server.label} on {gguf.name}", rows)
-    return results
+    print(f"server logs in {log_dir}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+    starters = {"gracelm": lambda log: gracelm_server(gguf, log),
+                "llama-server": lambda log: llama_server(Path(args.llama_server), gguf, log, args.threads)}
+    if args.llama_cpp_python:
+        starters["llama-cpp-python"] = lambda log: llama_cpp_python_server(gguf, log, args.threads)
+    results: dict[str, list[dict]] = {label: [] for label in starters}
+    for repeat in range(args.repeats):
+        # One server at a time (on a 2-core machine two would steal each other's CPU), in the order
+        # reversed every repeat, so that a drift of the host's speed weighs on both sides alike.
+        order = list(starters) if repeat % 2 == 0 else list(reversed(starters))
+        for label in order:
+            server = starters[label](log_dir / f"{label}-{repeat}.log")
+            try:
+                server.wait_ready()
+                rows = asyncio.run(bench(server.base_url, None, Load.from_args(args)))
+            finally:
+                server.stop()
+            results[label] += [{**row, "repeat": repeat} for row in rows]
+            print_table(f"{label} on {gguf.name}, repeat {repeat + 1} of {args.repeats}", rows)
+    ratios = {peer: compare_ratios(results["gracelm"], results[peer]) for peer in starters
+              if peer != "gracelm"}
+    for peer, rows in ratios.items():
+        print_ratios(peer, rows)
+    return {**results, "ratios": ratios}
+
+
+RATIO_METRICS = ["output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms"]
+
+
+def compare_ratios(ours: list[dict], theirs: list[dict]) -> list[dict]:
+    """gracelm / peer for each concurrency level and metric: the ratio of each repeat and their median."""
+    peer = {(r["concurrency"], r["repeat"]): r for r in theirs}
+    rows = []
+    for concurrency in sorted({r["concurrency"] for r in ours}):
+        pairs = [(r, peer[(concurrency, r["repeat"])]) for r in ours
+                 if r["concurrency"] == concurrency and (concurrency, r["repeat"]) in peer]
+        row: dict = {"concurrency": concurrency}
+        for metric in RATIO_METRICS:
+            per_repeat = [a[metric] / b[metric] for a, b in pairs]
+            row[metric] = {"per_repeat": per_repeat, "median": statistics.median(per_repeat)}
+        rows.append(row)
+    return rows
+
+
+def print_ratios(peer: str, rows: list[dict]) -> None:
+    print(f"\ngracelm / {peer} (tok/s: above 1 is gracelm faster; TTFT, ITL: below 1 is gracelm faster)")
+    print(f"{'conc':>5} " + " ".join(f"{m:>28}" for m in RATIO_METRICS))
+    for row in rows:
+        cells = [f"{row[m]['median']:.2f} (" + ", ".join(f"{x:.2f}" for x in row[m]["per_repeat"]) + ")"
+                 for m in RATIO_METRICS]
+        print(f"{row['concurrency']:>5} " + " ".join(f"{c:>28}" for c in cells))
 
 
 def main() -> int:
@@ -331,12 +478,20 @@ def main() -> int:
     run.add_argument("--base-url", default="http://127.0.0.1:8000")
     run.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     run.add_argument("--api-key", default=os.environ.get("GRACELM_API_KEY"))
+    run.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat")
+    run.add_argument("--ignore-eos", action="store_true",
+                     help="every request generates --max-tokens tokens (checked against usage)")
     run.add_argument("--json-schema-fraction", type=float, nargs="+", default=None, metavar="F",
                      help="run each level once per fraction F (0 to 1) of requests under a JSON schema")
     run.add_argument("--rounds", type=int, default=1, help="with --json-schema-fraction: rounds of fractions")
-    cmp = commands.add_parser("compare", help="gracelm vs llama.cpp's server on the same GGUF file")
+    cmp = commands.add_parser("compare", help="gracelm vs llama.cpp's llama-server on the same GGUF file")
     cmp.add_argument("--gguf", default=None, help="default: gracelm's default model")
+    cmp.add_argument("--llama-server", default=str(LLAMA_DIR / "build" / "bin" / "llama-server"),
+                     help="the llama-server binary (default: the one setup-llama-cpp builds)")
+    cmp.add_argument("--llama-cpp-python", action="store_true",
+                     help="also compare llama-cpp-python's server (setup-llama-cpp --python-wrapper)")
     cmp.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    cmp.add_argument("--repeats", type=int, default=2, help="runs of every server, the order swapped each")
     cmp.add_argument("--log-dir", default=None, help="server logs (default: a new temporary directory)")
     for sub in (run, cmp):
         sub.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -345,10 +500,16 @@ def main() -> int:
         sub.add_argument("--max-tokens", type=int, default=64)
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--out", default=None, help="also write the results as JSON here")
-    commands.add_parser("setup-llama-cpp", help="install llama-cpp-python[server] into its own venv")
+    setup = commands.add_parser("setup-llama-cpp", help="build llama.cpp's llama-server in its own folder")
+    setup.add_argument("--dir", default=str(LLAMA_DIR), help="where to download and build")
+    setup.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compile jobs")
+    setup.add_argument("--python-wrapper", action="store_true",
+                       help="also install llama-cpp-python[server] into its own venv")
     args = parser.parse_args()
     if args.command == "setup-llama-cpp":
-        setup_llama_cpp()
+        setup_llama_cpp(Path(args.dir), args.jobs)
+        if args.python_wrapper:
+            setup_python_wrapper()
         return 0
     if args.command == "run":
         if args.json_schema_fraction and not all(0 <= f <= 1 for f in args.json_schema_fraction):
@@ -359,6 +520,8 @@ def main() -> int:
             print_mix(rows)
         results: dict = {"server": rows}
     else:
+        if args.repeats < 1:
+            parser.error("--repeats: at least 1")
         results = compare(args)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
