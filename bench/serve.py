@@ -150,7 +150,9 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
         queue.put_nowait((prompt, None if json_fraction is None else _mix_extra(i, json_fraction)))
     results: list[RequestResult] = []
     headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
-    limits = httpx.Limits(max_connections=concurrency)
+    # A connection per request: llama-server closes a kept-alive connection after some streamed answers,
+    # and the next request sent on it fails at once (RemoteProtocolError) without reaching the server.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600, limits=limits) as client:
         async def worker() -> None:
