@@ -129,9 +129,9 @@ class ServingChat(ServingBase):
         as_ids, tokenizer = req.return_tokens_as_token_ids, self.engine.tokenizer
         for token_id, candidates in zip(o.token_ids, o.logprobs, strict=False):
             ranked = sorted(candidates.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top]
-            alternatives = [TopLogprob(token=token_label(tokenizer, t, lp, as_ids), logprob=lp.logprob,
-                                       bytes=list(token_label(tokenizer, t, lp, as_ids).encode()))
-                            for t, lp in ranked]
+            labels = [(token_label(tokenizer, t, lp, as_ids), lp.logprob) for t, lp in ranked]
+            alternatives = [TopLogprob(token=label, logprob=logprob, bytes=list(label.encode()))
+                            for label, logprob in labels]
             sampled = candidates[token_id]
             text = token_label(tokenizer, token_id, sampled, as_ids)
             content.append(ChatTokenLogprob(token=text, logprob=sampled.logprob, bytes=list(text.encode()),
