@@ -61,6 +61,19 @@ def health_once_failure_known(url: str, within: float = 2.0) -> int | str:
     return 200
 
 
+def kill_9_when_idle(server: ServerProcess, process: psutil.Process) -> str:
+    """SIGKILL of an idle process of the server: `/health` turns 503 before the server goes away, and the
+    server exits 1 within 2 s of the kill, leaving nothing. Returns its log."""
+    killed = time.monotonic()
+    process.kill()
+    health = health_once_failure_known(server.url)
+    assert server.wait_exit(5) == 1, server.log()[-5000:]
+    assert time.monotonic() - killed < 2.0
+    log = finish(server, 1, within=5)
+    assert health == 503
+    return log
+
+
 @contextlib.contextmanager
 def small_filesystem(tmp_path, size: str = "64k"):
     """A tmpfs of `size` mounted by the test (root only), unmounted at the end."""

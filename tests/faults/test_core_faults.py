@@ -18,6 +18,7 @@ from tests.faults.helpers import (
     ended_lines,
     finish,
     health_once_failure_known,
+    kill_9_when_idle,
     leave_nothing_behind,
     plain_request,
     serve,
@@ -180,13 +181,7 @@ def test_kill_9_of_an_idle_core_is_fatal_within_2_s(model):
     server = serve(model)
     core = core_of(server)
     try:
-        killed = time.monotonic()
-        core.kill()
-        health = health_once_failure_known(server.url)
-        assert server.wait_exit(5) == 1, server.log()[-5000:]
-        assert time.monotonic() - killed < 2.0
-        log = finish(server, 1, within=5)
-        assert health == 503
+        log = kill_9_when_idle(server, core)
         assert f"engine core pid {core.pid} killed by SIGKILL" in assert_one_end(log, "killed")
     finally:
         leave_nothing_behind(server, core)

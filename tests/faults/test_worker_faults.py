@@ -16,7 +16,7 @@ from gracelm.engine.errors import EngineDeadError
 from tests.faults.helpers import (
     assert_one_end,
     finish,
-    health_once_failure_known,
+    kill_9_when_idle,
     leave_nothing_behind,
     serve,
 )
@@ -94,13 +94,7 @@ def test_kill_9_of_an_idle_worker_is_fatal_within_2_s(tp_model):
     server = serve_tp2(tp_model)
     worker = worker_of(server)
     try:
-        killed = time.monotonic()
-        worker.kill()
-        health = health_once_failure_known(server.url)
-        assert server.wait_exit(5) == 1, server.log()[-5000:]
-        assert time.monotonic() - killed < 2.0
-        log = finish(server, 1, within=5)
-        assert health == 503
+        log = kill_9_when_idle(server, worker)
         message = assert_one_end(log, "raised")
         expected = f"tensor-parallel worker rank 1: Worker-1 pid {worker.pid} killed by SIGKILL"
         assert expected in message, message
