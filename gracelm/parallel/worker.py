@@ -42,7 +42,6 @@ from gracelm.model.token_constraints import ConstraintStates, has_constraints
 from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch, StepResult
 from gracelm.parallel.layout import check_shardable, shard_config
 from gracelm.parallel.sharding import TensorParallelModel
-from gracelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +64,8 @@ class Worker:
         self._generators: dict[str, torch.Generator] = {}
         self._constraints: ConstraintStates | None = None  # made at the first constrained request
         self._default_generator = make_generator(config.seed)
+        # TEST-ONLY (`test_raise_in_sampling_for_seed`): sampling raises for rows of requests with that seed.
+        self._faulty_seed = active_test_hooks().get("test_raise_in_sampling_for_seed")
 
     @property
     def model_config(self) -> ModelConfig:
@@ -167,7 +168,8 @@ class Worker:
                 generators: list[torch.Generator | None]):
         """Samples `rows` of the step, whose logits are `logits` (one row each, in that order)."""
         params = [step.params[row] for row in rows]
-        _injected_fault(params)
+        if self._faulty_seed is not None and any(p.seed == self._faulty_seed for p in params):
+            raise RuntimeError(f"sampling failure injected by the test hook for seed {self._faulty_seed}")
         outputs = [step.output_token_ids[row] for row in rows]
         constraints = None
         if any(has_constraints(p) for p in params):
@@ -278,10 +280,3 @@ def _hold_stop_tokens(logits: torch.Tensor, held: list[list[int]]) -> None:
     pairs = [(row, t) for row, ids in enumerate(held) for t in ids if t < logits.shape[1]]
     if pairs:
         logits[torch.tensor(pairs, dtype=torch.int64).unbind(1)] = -torch.inf
-
-
-def _injected_fault(params: list[SamplingParams]) -> None:
-    """TEST-ONLY (`test_raise_in_sampling_for_seed`): sampling raises for rows of requests with that seed."""
-    seed = active_test_hooks().get("test_raise_in_sampling_for_seed")
-    if seed is not None and any(p.seed == seed for p in params):
-        raise RuntimeError(f"sampling failure injected by the test hook for seed {seed}")
