@@ -53,7 +53,7 @@ class ServerMetrics:
         # Plain running totals of this process, for the periodic stats log line's throughput.
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
         self.throughput = ThroughputHistory()  # the status page's chart
-        self._engine_totals: dict[str, int] = {}  # the core's running counts already added to counters
+        self._engine_totals: dict[str, int] = {}  # the engine's running counts already added to counters
         self.timings_seen = 0  # the core's phase-timing records observed (`RequestTimings`)
         token_buckets = _one_two_five(max_model_len or 1 << 20)
 
@@ -115,7 +115,6 @@ class ServerMetrics:
         self.request_faults = counter("request_faults", "Requests ended by a fault of their own "
                                       "(finish_reason error; the engine served on), by stage.", ("stage",),
                                       vllm=False)
-        self._faults_seen: dict[str, int] = {}
         # Label sets exist from the start, so a scrape shows every series at 0 rather than omitting them.
         for stage in FAULT_STAGES:
             self.request_faults.labels(**label, stage=stage)
@@ -154,11 +153,12 @@ class ServerMetrics:
                              ("prefix_cache_hits", self.prefix_hits), ("num_preemptions", self.preemptions)):
             self._count_up(key, counter, stats.get(key, 0))
 
-    def _count_up(self, key: str, counter: _Metric, total: int) -> None:
-        """Brings a counter up to the core's running total `total` of `key`."""
+    def _count_up(self, key: str, counter: _Metric, total: int, **extra: str) -> None:
+        """Brings a counter (its series with the `extra` labels) up to the engine's running total `total`
+        of `key`."""
         new = total - self._engine_totals.get(key, 0)
         if new > 0:
-            counter.labels(**self._label).inc(new)
+            counter.labels(**self._label, **extra).inc(new)
             self._engine_totals[key] = total
 
     def observe_request_timings(self, timings: dict) -> None:
@@ -176,10 +176,7 @@ class ServerMetrics:
     def set_request_faults(self, counts: dict[str, int]) -> None:
         """Brings the fault counter up to the engine's running counts, by stage."""
         for stage, count in counts.items():
-            new = count - self._faults_seen.get(stage, 0)
-            if new > 0:
-                self.request_faults.labels(**self._label, stage=stage).inc(new)
-                self._faults_seen[stage] = count
+            self._count_up(f"request_faults:{stage}", self.request_faults, count, stage=stage)
 
     def set_lifecycle(self, state: str) -> None:
         for name in self._states:
