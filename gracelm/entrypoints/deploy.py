@@ -65,14 +65,13 @@ def render(target: str, args: argparse.Namespace) -> str:
                                      keep_trailing_newline=True, autoescape=False)
     context = {**values, "deploy": deploy, "engine": engine, "server": server, "flags": flags,
                "command": _command_line(target, given, deploy, flags)}
+    writable = _writable_paths(engine, server)
     if target == "systemd":
         template = environment.from_string(SYSTEMD)
         words = [f"{_systemd_word(deploy.exec_path)} serve", *(_systemd_word(w) for w in flags)]
-        context |= {"exec_start": " \\\n    ".join(words),
-                    "writable": _writable_paths(engine, server)}
+        context |= {"exec_start": " \\\n    ".join(words), "writable": writable}
     else:
         template = environment.from_string(KUBERNETES)
-        writable = _writable_paths(engine, server)
         context |= {"writable": [(f"writable-{i}", path) for i, path in enumerate(writable)],
                     "kv_cache_dir_bytes": parse_size(engine.kv_cache_dir_size)}
     return template.render(context)
