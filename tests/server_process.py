@@ -64,7 +64,7 @@ class ServerProcess:
         self.exit_code: int | None = None
         if wait_ready:
             try:
-                self._wait_ready(startup_timeout)
+                self.wait_ready(startup_timeout)
             except BaseException:
                 self.kill()
                 raise
@@ -76,11 +76,15 @@ class ServerProcess:
     def log(self) -> str:
         return Path(self._log.name).read_text(errors="replace")
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, peers: tuple[ServerProcess, ...] = ()) -> None:
+        """Until `/ready` answers 200, then `capture()`. Fails at once if the server, or one of `peers` (the
+        other nodes of its group, which must stay up meanwhile), exits."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gracelm serve exited with {self.process.returncode}:\n{self.log()}")
+            for server in (self, *peers):
+                if server.process.poll() is not None:
+                    code = server.process.returncode
+                    raise RuntimeError(f"gracelm serve exited with {code}:\n{server.log()}")
             try:
                 if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
                     break

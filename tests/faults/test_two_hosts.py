@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import time
 
-import httpx
 import pytest
 
 from tests.faults.netns import HOST_A, TwoHosts
@@ -32,25 +31,11 @@ class Nodes:
                                    prefix=hosts.prefix(hosts.a))
         self.nodes = (self.node0, self.node1)
         try:
-            hosts.run(hosts.a, self._wait_ready, 180)
-            for node in self.nodes:
-                node.capture()
+            hosts.run(hosts.a, self.node0.wait_ready, 180, (self.node1,))
+            self.node1.capture()
         except BaseException:
             self.kill()
             raise
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for node in self.nodes:
-                assert node.process.poll() is None, f"a node exited early:\n{node.log()[-5000:]}"
-            try:
-                if httpx.get(f"{self.node0.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"node 0 not ready after {timeout} s:\n{self.node0.log()[-5000:]}")
 
     def streams(self, count: int, max_tokens: int) -> list[Stream]:
         """Streams from host A, each started (a first token arrived)."""
