@@ -16,8 +16,8 @@ fraction's output tokens/s and ITL against the fraction 0 of the same session. `
 fractions R times in turn (each round in a rotated order) and reports the median of each round's ratios,
 for a host whose load drifts.
 
-`setup-llama-cpp` builds llama.cpp's C++ `llama-server`, `llama-bench` and `llama-batched-bench` from the
-llama.cpp source vendored in the llama-cpp-python sdist, in its own folder (never a dependency of
+`setup-llama-cpp` builds llama.cpp's C++ `llama-server`, `llama-bench`, `llama-batched-bench` and
+`llama-perplexity` (for `bench/perplexity.py`) from the llama.cpp source vendored in the llama-cpp-python sdist, in its own folder (never a dependency of
 gracelm); about 15 minutes on 2 cores. `--python-wrapper` also installs llama-cpp-python[server] into a
 separate virtual environment. `compare` starts `gracelm serve` and `llama-server -t T -np 32 -c 32768`
 (continuous batching, 32 slots) on the same GGUF file, one at a time on free ports, and loads each the
@@ -54,7 +54,7 @@ LLAMA_DIR = Path(os.environ.get("GRACELM_BENCH_LLAMA_DIR", BENCH_CACHE / "llama.
 LLAMA_VENV = Path(os.environ.get("GRACELM_BENCH_LLAMA_VENV", BENCH_CACHE / "llama-venv"))
 # The llama-cpp-python release whose sdist vendors the llama.cpp source that `setup-llama-cpp` builds.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-LLAMA_TARGETS = ["llama-server", "llama-bench", "llama-batched-bench"]
+LLAMA_TARGETS = ["llama-server", "llama-bench", "llama-batched-bench", "llama-perplexity"]
 TOPICS = ["a lighthouse keeper", "the first snow of winter", "a lost city", "a robot learning to paint",
           "the history of bread", "a journey across the desert", "an old clockmaker", "the ocean at night",
           "a village festival", "a letter never sent", "the migration of birds", "a chess tournament"]
