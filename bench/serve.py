@@ -17,16 +17,15 @@ fractions R times in turn (each round in a rotated order) and reports the median
 for a host whose load drifts.
 
 `setup-llama-cpp` builds llama.cpp's C++ `llama-server`, `llama-bench`, `llama-batched-bench` and
-`llama-perplexity` (for `bench/perplexity.py`) from the llama.cpp source vendored in the llama-cpp-python sdist, in its own folder (never a dependency of
-gracelm); about 15 minutes on 2 cores. `--python-wrapper` also installs llama-cpp-python[server] into a
-separate virtual environment. `compare` starts `gracelm serve` and `llama-server -t T -np 32 -c 32768`
-(continuous batching, 32 slots) on the same GGUF file, one at a time on free ports, and loads each the
-same way: streaming `/v1/completions` of exactly `--max-tokens` tokens (`ignore_eos`; a request whose
-`usage` counts other than that fails). `--repeats R` runs the servers R times, the order swapped each
-repeat, and reports gracelm / llama-server ratios per repeat and their median. `--llama-cpp-python` adds
-the Python wrapper's server as a further peer (`--interrupt_requests False`, else a new request cuts a
-running stream).
-"""
+`llama-perplexity` (for `bench/perplexity.py`) from the llama.cpp source vendored in the llama-cpp-python
+sdist, in its own folder (never a dependency of gracelm); about 15 minutes on 2 cores. `--python-wrapper`
+also installs llama-cpp-python[server] into a separate virtual environment. `compare` starts `gracelm
+serve` and `llama-server -t T -np 32 -c 32768` (continuous batching, 32 slots) on the same GGUF file, one
+at a time on free ports, and loads each the same way: streaming `/v1/completions` of exactly
+`--max-tokens` tokens (`ignore_eos`; a request whose `usage` counts other than that fails). `--repeats R`
+runs the servers R times, the order swapped each repeat, and reports gracelm / llama-server ratios per
+repeat and their median. `--llama-cpp-python` adds the Python wrapper's server as a further peer
+(`--interrupt_requests False`, else a new request cuts a running stream). """
 
 from __future__ import annotations
 
