@@ -22,7 +22,7 @@ import gracelm.startup_timeline as startup_timeline
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
 from gracelm.entrypoints import serving_tokenize
-from gracelm.entrypoints.api_errors import APIError, from_validation_error, install_error_handlers
+from gracelm.entrypoints.api_errors import APIError, ModelT, install_error_handlers, parse_body
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import (
     ChatCompletionChunk,
@@ -48,6 +48,7 @@ from gracelm.entrypoints.openapi_docs import (
     plain_text,
     probe,
 )
+from gracelm.entrypoints.request_client import HttpClient
 from gracelm.entrypoints.request_guards import BodySizeLimit, api_key_dependency
 from gracelm.entrypoints.request_ids import RequestIdHeader
 from gracelm.entrypoints.request_limits import RequestLimits
@@ -140,12 +141,14 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     @v1.post("/chat/completions", responses=generation(ChatCompletionResponse, ChatCompletionChunk),
              openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(raw_request: Request) -> Response:
-        return await chat.create(await _parse(raw_request, ChatCompletionRequest), raw_request)
+        req = await _parse(raw_request, ChatCompletionRequest)
+        return _answer(await chat.create(req, HttpClient(raw_request)))
 
     @v1.post("/completions", responses=generation(CompletionResponse, CompletionResponse),
              openapi_extra=json_body(CompletionRequest))
     async def completions(raw_request: Request) -> Response:
-        return await completion.create(await _parse(raw_request, CompletionRequest), raw_request)
+        req = await _parse(raw_request, CompletionRequest)
+        return _answer(await completion.create(req, HttpClient(raw_request)))
 
     app.include_router(v1)
     tokens = APIRouter(dependencies=deps)  # vLLM serves these outside /v1
@@ -169,12 +172,14 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     return app
 
 
-async def _parse(raw_request: Request, model: type[pydantic.BaseModel]):
+async def _parse(raw_request: Request, model: type[ModelT]) -> ModelT:
     _check_json_content_type(raw_request.headers.get("content-type"))
-    try:
-        return model.model_validate_json(await raw_request.body())
-    except pydantic.ValidationError as exc:
-        raise from_validation_error(exc) from None
+    return parse_body(await raw_request.body(), model)
+
+
+def _answer(answer: pydantic.BaseModel | Response) -> Response:
+    """A generation route's response: the whole answer as JSON, or the SSE response as it is."""
+    return answer if isinstance(answer, Response) else JSONResponse(answer.model_dump())
 
 
 def _check_json_content_type(content_type: str | None) -> None:

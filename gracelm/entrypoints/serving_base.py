@@ -1,6 +1,7 @@
 """What the chat and completion endpoints share: sampling parameters from a request, the prompt's checks,
 admission, running a request in the engine with its metrics, watching the client so that a disconnect
 aborts the request at once, and SSE framing. Each endpoint writes its own SSE loop over the engine's deltas.
+Who sent the request (an HTTP client or a batch line) is a `RequestClient` (`request_client.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import msgspec
-from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -27,9 +27,10 @@ from gracelm.entrypoints.api_errors import APIError, from_value_error
 from gracelm.entrypoints.constraint_fields import constraint_fields
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import SamplingFields, Usage
+from gracelm.entrypoints.request_client import HeldAdmission, RequestClient
 from gracelm.entrypoints.request_limits import RequestLimits
 from gracelm.entrypoints.serving_options import ServingOptions
-from gracelm.lifecycle.server_state import Admission, ServerState
+from gracelm.lifecycle.server_state import ServerState
 from gracelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -98,13 +99,14 @@ class ServingBase:
             raise APIError(400, context_overflow_message(limit, len(prompt_token_ids), max_tokens),
                            param="max_tokens", code="context_length_exceeded")
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                    prompt_param: str) -> Run:
-        """Admits the request and starts each of its prompts in the engine (several only for a batch of
-        completions prompts: one engine request each, `prompt_batch.py`), which checks them (a 400 naming
-        `prompt_param`). Its deltas come with metrics; closing them aborts the request. The admission is
-        released when the answer ends (`sse`, `final_output`); it is marked started at the first output."""
-        admission = self.state.admit()
+    async def start(self, client: RequestClient, prompts: list[list[int]], params: SamplingParams,
+                    request_id: str, prompt_param: str) -> Run:
+        """Admits the request (as `client` is admitted) and starts each of its prompts in the engine
+        (several only for a batch of completions prompts: one engine request each, `prompt_batch.py`), which
+        checks them (a 400 naming `prompt_param`). Its deltas come with metrics; closing them aborts the
+        request. The admission is released when the answer ends (`sse`, `final_output`); it is marked
+        started at the first output."""
+        admission = client.admit(self.state)
         if self.served.log_requests:
             logger.info("request %s: %s prompt tokens, %s", request_id,
                         "+".join(str(len(p)) for p in prompts), _params_summary(params))
@@ -132,7 +134,7 @@ class ServingBase:
         return Run(request_id, admission, merged)
 
     async def _tracked(self, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
-                       params: SamplingParams, admission: Admission) -> AsyncGenerator[RequestOutput]:
+                       params: SamplingParams, admission: HeldAdmission) -> AsyncGenerator[RequestOutput]:
         tracker = self.metrics.request_tracker(num_prompt_tokens, params.n, params.max_tokens)
         finish_reasons: dict[int, str | None] = {}
         try:
@@ -148,17 +150,17 @@ class ServingBase:
             if finish_reasons:  # a request that never produced anything is not counted
                 tracker.on_finish(list(finish_reasons.values()))
 
-    async def final_output(self, raw_request: Request, run: Run) -> RequestOutput:
+    async def final_output(self, client: RequestClient, run: Run) -> RequestOutput:
         """The whole answer of a request, unless the client leaves first: then the request is aborted."""
         try:
-            return await self._final_output(raw_request, run.deltas)
+            return await self._final_output(client, run.deltas)
         finally:
             run.admission.release()
 
-    async def _final_output(self, raw_request: Request,
+    async def _final_output(self, client: RequestClient,
                             deltas: AsyncGenerator[RequestOutput]) -> RequestOutput:
         collect = asyncio.ensure_future(_whole(deltas))
-        disconnect = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+        disconnect = asyncio.ensure_future(client.disconnected())
         try:
             await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -188,7 +190,7 @@ class Run:
     """A request started in the engine: its id, its admission, and its deltas."""
 
     request_id: str
-    admission: Admission
+    admission: HeldAdmission
     deltas: AsyncGenerator[RequestOutput]
 
 
@@ -311,9 +313,3 @@ async def _whole(deltas: AsyncIterator[RequestOutput]) -> RequestOutput:
     if whole is None:
         raise APIError(500, "the engine returned no output")
     return whole
-
-
-async def _wait_for_disconnect(raw_request: Request) -> None:
-    # The body has been read already, so the next message the server gives us is the disconnect.
-    while (await raw_request.receive())["type"] != "http.disconnect":
-        pass

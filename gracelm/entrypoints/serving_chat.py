@@ -7,11 +7,10 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from gracelm.engine.outputs import CompletionOutput, RequestOutput
-from gracelm.entrypoints import chat_prompt, request_ids, tool_calls, tool_parsers
+from gracelm.entrypoints import chat_prompt, tool_calls, tool_parsers
 from gracelm.entrypoints.api_errors import APIError
 from gracelm.entrypoints.logprob_tokens import token_label, vllm_prompt_logprobs, with_prompt_logprobs
 from gracelm.entrypoints.openai_protocol import (
@@ -26,6 +25,7 @@ from gracelm.entrypoints.openai_protocol import (
     TopLogprob,
     Usage,
 )
+from gracelm.entrypoints.request_client import RequestClient
 from gracelm.entrypoints.request_fields import refuse_unsupported
 from gracelm.entrypoints.serving_base import ServingBase, StreamTally, final_usage, sse_data
 from gracelm.entrypoints.tool_call_output import StreamedChoice, final_message
@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 class ServingChat(ServingBase):
     async def create(self, req: ChatCompletionRequest,
-                     raw_request: Request) -> JSONResponse | StreamingResponse:
+                     client: RequestClient) -> ChatCompletionResponse | StreamingResponse:
+        """The answer to `req` from `client`: whole, or with `stream` an SSE response; raises `APIError`."""
         self.check_model(req.model)
         refuse_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -53,8 +54,8 @@ class ServingChat(ServingBase):
         prompt_ids = chat_prompt.prompt_ids(self.engine.tokenizer, req, self.engine.config.max_model_len,
                                             tools.tools)
         self.check_room(prompt_ids, max_tokens)
-        request_id = request_ids.assign(raw_request, req.request_id, "chatcmpl")
-        run = await self.start([prompt_ids], params, request_id, "messages")
+        request_id = client.request_id(req.request_id, "chatcmpl")
+        run = await self.start(client, [prompt_ids], params, request_id, "messages")
         echo = chat_prompt.echo_text(req)
         # OpenAI names the tier that served the request when one was asked for: here, always the default.
         tier = "default" if req.service_tier is not None else None
@@ -62,7 +63,7 @@ class ServingChat(ServingBase):
             events = self._stream(request_id, run.deltas, len(prompt_ids), params.n, top, req, echo, tier,
                                   tools)
             return self.sse(events, run)
-        final = await self.final_output(raw_request, run)
+        final = await self.final_output(client, run)
         choices = []
         for o in final.outputs:
             message, finish_reason = final_message(o.text, o.finish_reason, tools)
@@ -72,9 +73,8 @@ class ServingChat(ServingBase):
                                       finish_reason=finish_reason, stop_reason=o.stop_reason))
         usage = final_usage(len(prompt_ids), final)
         scored = vllm_prompt_logprobs(prompt_ids, final.outputs[0].prompt_logprobs, req.prompt_logprobs)
-        body = ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
                                       service_tier=tier, prompt_logprobs=scored)
-        return JSONResponse(body.model_dump())
 
     async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
                       n: int, top: int | None, req: ChatCompletionRequest, echo: str,

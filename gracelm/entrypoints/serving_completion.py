@@ -12,11 +12,9 @@ import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from gracelm.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from gracelm.entrypoints import request_ids
 from gracelm.entrypoints.logprob_tokens import token_label, vllm_prompt_logprobs, with_prompt_logprobs
 from gracelm.entrypoints.openai_protocol import (
     CompletionChoice,
@@ -25,13 +23,15 @@ from gracelm.entrypoints.openai_protocol import (
     CompletionResponse,
     Usage,
 )
+from gracelm.entrypoints.request_client import RequestClient
 from gracelm.entrypoints.request_fields import refuse_unsupported, truncate_prompt
 from gracelm.entrypoints.serving_base import ServingBase, StreamTally, final_usage, sse_data
 
 
 class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest,
-                     raw_request: Request) -> JSONResponse | StreamingResponse:
+                     client: RequestClient) -> CompletionResponse | StreamingResponse:
+        """The answer to `req` from `client`: whole, or with `stream` an SSE response; raises `APIError`."""
         self.check_model(req.model)
         refuse_unsupported(req)
         self.check_logprobs(req.logprobs, "logprobs")
@@ -44,15 +44,15 @@ class ServingCompletion(ServingBase):
         prompts = self._prompts(req)
         for ids in prompts:
             self.check_room(ids, req.max_tokens)
-        request_id = request_ids.assign(raw_request, req.request_id, "cmpl")
-        run = await self.start(prompts, params, request_id, "prompt")
+        request_id = client.request_id(req.request_id, "cmpl")
+        run = await self.start(client, prompts, params, request_id, "prompt")
         echoes = [self.engine.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
                   for ids in prompts]
         num_prompt_tokens = sum(len(ids) for ids in prompts)
         if req.stream:
             events = self._stream(request_id, run.deltas, num_prompt_tokens, params.n, req, echoes, prompts)
             return self.sse(events, run)
-        final = await self.final_output(raw_request, run)
+        final = await self.final_output(client, run)
         if score_only:
             final.outputs = [_prompt_only(o) for o in final.outputs]
         choices = []
@@ -63,8 +63,7 @@ class ServingCompletion(ServingBase):
                 logprobs=self._logprobs(o, len(echo), req, prompt if req.echo else None),
                 prompt_logprobs=vllm_prompt_logprobs(prompt, o.prompt_logprobs, req.prompt_logprobs)))
         usage = final_usage(num_prompt_tokens, final)
-        body = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
-        return JSONResponse(body.model_dump())
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Each prompt as token ids (a text is encoded with the tokenizer's special tokens unless

@@ -1,0 +1,85 @@
+"""Who a generation request comes from, as the endpoints (`ServingChat.create`, `ServingCompletion.create`)
+need to know it: what the request is named, how it is admitted, and when its sender has left (a plain
+answer's request is then aborted). An HTTP client (`HttpClient`) names it by its `X-Request-Id` header or
+the body's `request_id`, is admitted by the server's state and leaves when its connection closes; a batch
+line (`BatchLineClient`) is named by the line, was admitted by the batch runner before it started (the
+runner holds that admission until the line's result is durable) and never leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from fastapi import Request
+
+from gracelm.entrypoints import request_ids
+from gracelm.lifecycle.server_state import ServerState
+
+
+class HeldAdmission(Protocol):
+    """What a request does with its admission: `Admission`'s two calls."""
+
+    def started(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class RequestClient(Protocol):
+    def request_id(self, body_id: str | None, prefix: str) -> str:
+        """The request's id: `prefix-` and the sender's name for it, else a fresh one."""
+        ...
+
+    def admit(self, state: ServerState) -> HeldAdmission:
+        """The request's admission (raises `AdmissionRefused`)."""
+        ...
+
+    async def disconnected(self) -> None:
+        """Returns once the sender has gone (never, for one that cannot go)."""
+        ...
+
+
+class HttpClient:
+    """A request of an HTTP client (`raw_request`, whose body has been read)."""
+
+    def __init__(self, raw_request: Request) -> None:
+        self._raw = raw_request
+
+    def request_id(self, body_id: str | None, prefix: str) -> str:
+        return request_ids.assign(self._raw, body_id, prefix)
+
+    def admit(self, state: ServerState) -> HeldAdmission:
+        return state.admit()
+
+    async def disconnected(self) -> None:
+        # The body has been read already, so the next message the server gives us is the disconnect.
+        while (await self._raw.receive())["type"] != "http.disconnect":
+            pass
+
+
+class BatchLineClient:
+    """A batch line's request: named `prefix-` and the body's `request_id` or else the line's own id; its
+    admission is the runner's."""
+
+    def __init__(self, line_id: str) -> None:
+        self._line_id = line_id
+
+    def request_id(self, body_id: str | None, prefix: str) -> str:
+        return f"{prefix}-{body_id or self._line_id}"
+
+    def admit(self, state: ServerState) -> HeldAdmission:
+        return _RunnersAdmission()
+
+    async def disconnected(self) -> None:
+        await asyncio.get_running_loop().create_future()  # a batch line has no connection to lose
+
+
+class _RunnersAdmission:
+    """The runner took the line's admission and releases it once the line's result is committed: the drain,
+    which waits for every admission, then waits for that commit too."""
+
+    def started(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
