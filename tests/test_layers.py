@@ -19,11 +19,12 @@ from tests.tiny_models import tiny_model
 PACKAGE = Path(__file__).resolve().parent.parent / "gracelm"
 # What each layer may import, besides itself. The top-level modules (config, options, ...) are "base".
 ALLOWED = {
-    "entrypoints": {"engine", "parallel", "model", "lifecycle", "base"},
+    "entrypoints": {"engine", "parallel", "model", "lifecycle", "batch", "base"},
     "engine": {"parallel", "model", "lifecycle", "base"},
     "parallel": {"model", "lifecycle", "base"},
     "model": {"base"},
     "lifecycle": {"base"},
+    "batch": {"lifecycle", "base"},
     "base": set(),
 }
 # The package's root re-exports the public API (`from gracelm import Engine`): it is above every layer.

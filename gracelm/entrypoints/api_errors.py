@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from typing import TypeVar
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -18,12 +17,10 @@ from gracelm.lifecycle.server_state import AdmissionRefused
 
 logger = logging.getLogger(__name__)
 
-ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
-
 # OpenAI's error types by status; clients (the official SDKs) map statuses to exception classes.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-          503: "server_error"}
+          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):
@@ -70,15 +67,6 @@ def from_validation_error(exc: pydantic.ValidationError) -> APIError:
     param = ".".join(str(part) for part in first["loc"]) or None
     message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
     return APIError(400, message, param=param, code="invalid_value")
-
-
-def parse_body(body: bytes | str, model: type[ModelT]) -> ModelT:
-    """`model` read from a JSON body, or the 400 that names what is wrong with it (`from_validation_error`):
-    the one parsing of a request body, online or from a batch line."""
-    try:
-        return model.model_validate_json(body)
-    except pydantic.ValidationError as exc:
-        raise from_validation_error(exc) from None
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -24,6 +24,7 @@ from multiprocessing import resource_tracker
 from typing import NoReturn
 
 import gracelm.startup_timeline as startup_timeline
+from gracelm.batch.journal import Journal
 from gracelm.config import EngineConfig
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.messages import CoreState
@@ -98,6 +99,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
     try:
         with signals.abandoning_startup(), notifier.loading(config.model or "the default model"):
             _record_resource_tracker(ledger)
+            journal = _open_journal(settings.state_dir, ledger)  # before the model: a held DIR fails fast
             engine = AsyncEngine.from_config(config, ledger=ledger, on_fatal=supervisor.on_engine_fatal)
             served = serving_options(settings, engine.model_name, resolve_model_path(config.model))
             if settings.chat_template is not None:  # the frontend's tokenizer renders the messages
@@ -132,8 +134,8 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             logger.error("start-up failed: %s", exc)
             return _stopped(engine.shutdown(timeout=0), ExitCode.STARTUP_FAILURE, config, settings, state)
         ledger.acquire(ResourceKind.DIRECTORY, f"prometheus dir {metrics.directory}", metrics.close)
-        server = HttpServer(uvicorn.Config(build_app(engine, settings, state, metrics, ledger, served),
-                                           log_config=None, log_level=settings.uvicorn_log_level,
+        app = build_app(engine, settings, state, metrics, ledger, served, journal)
+        server = HttpServer(uvicorn.Config(app, log_config=None, log_level=settings.uvicorn_log_level,
                                            timeout_graceful_shutdown=5,
                                            http=header_timeout_protocol(settings.header_timeout)))
         supervisor.server = server
@@ -211,6 +213,15 @@ def _import_http_stack() -> threading.Thread:
     thread = threading.Thread(target=run, name="import-http-stack", daemon=True)
     thread.start()
     return thread
+
+
+def _open_journal(state_dir: str | None, ledger: Ledger) -> Journal | None:
+    """The batch journal of the state directory (none without one), released after the batch runner."""
+    if state_dir is None:
+        return None
+    journal = Journal(state_dir)
+    ledger.acquire(ResourceKind.DATABASE, f"batch journal {journal.path}", journal.close)
+    return journal
 
 
 def _record_resource_tracker(ledger: Ledger) -> None:

@@ -19,10 +19,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import gracelm.startup_timeline as startup_timeline
+from gracelm.batch.journal import Journal
+from gracelm.batch.runner import BatchRunner
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
 from gracelm.entrypoints import serving_tokenize
-from gracelm.entrypoints.api_errors import APIError, ModelT, install_error_handlers, parse_body
+from gracelm.entrypoints.api_errors import install_error_handlers
+from gracelm.entrypoints.batch_lines import BatchLines
+from gracelm.entrypoints.batch_routes import batch_router
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import (
     ChatCompletionChunk,
@@ -48,6 +52,7 @@ from gracelm.entrypoints.openapi_docs import (
     plain_text,
     probe,
 )
+from gracelm.entrypoints.request_body import parse_request
 from gracelm.entrypoints.request_client import HttpClient
 from gracelm.entrypoints.request_guards import BodySizeLimit, api_key_dependency
 from gracelm.entrypoints.request_ids import RequestIdHeader
@@ -65,8 +70,9 @@ logger = logging.getLogger("gracelm.server")
 
 
 def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, metrics: ServerMetrics,
-              ledger: Ledger, served: ServingOptions) -> FastAPI:
-    """The FastAPI app serving `engine`; its lifespan moves `state` to RUNNING and back to STOPPING."""
+              ledger: Ledger, served: ServingOptions, journal: Journal | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; its lifespan moves `state` to RUNNING and back to STOPPING, and
+    runs the batches of `journal` (`--state-dir`'s, if any) meanwhile."""
     model_name = served.model_name
 
     @contextlib.asynccontextmanager
@@ -78,6 +84,10 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
             tasks.append((task, ledger.acquire(ResourceKind.TASK, "asyncio task stats-logger", task.cancel,
                                                inline=True)))
         state.set(Lifecycle.RUNNING)
+        if runner is not None:  # after RUNNING: a batch line is admitted only then
+            task = asyncio.create_task(runner.run(), name="batch-runner")
+            tasks.append((task, ledger.acquire(ResourceKind.TASK, "asyncio task batch-runner", task.cancel,
+                                               inline=True)))
         _report_startup(metrics)
         try:
             yield
@@ -91,11 +101,14 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     app = FastAPI(title="gracelm", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_openapi(app)
-    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes)
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes,
+                       paths={"/v1/files": settings.max_upload_bytes})
     app.add_middleware(RequestIdHeader)
     limits = RequestLimits(settings.max_stop_strings, settings.max_stop_chars)
     chat = ServingChat(engine, state, metrics, served, limits)
     completion = ServingCompletion(engine, state, metrics, served, limits)
+    runner = None if journal is None else BatchRunner(journal, BatchLines(chat, completion), state,
+                                                      engine.config.max_num_seqs)
 
     @app.get("/health", responses=probe(HealthStatus, "The engine is dead."))
     async def health() -> JSONResponse:
@@ -141,29 +154,30 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     @v1.post("/chat/completions", responses=generation(ChatCompletionResponse, ChatCompletionChunk),
              openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(raw_request: Request) -> Response:
-        req = await _parse(raw_request, ChatCompletionRequest)
+        req = await parse_request(raw_request, ChatCompletionRequest)
         return _answer(await chat.create(req, HttpClient(raw_request)))
 
     @v1.post("/completions", responses=generation(CompletionResponse, CompletionResponse),
              openapi_extra=json_body(CompletionRequest))
     async def completions(raw_request: Request) -> Response:
-        req = await _parse(raw_request, CompletionRequest)
+        req = await parse_request(raw_request, CompletionRequest)
         return _answer(await completion.create(req, HttpClient(raw_request)))
 
+    v1.include_router(batch_router(journal, runner))
     app.include_router(v1)
     tokens = APIRouter(dependencies=deps)  # vLLM serves these outside /v1
 
     @tokens.post("/tokenize", responses=answers(TokenizeResponse, 400, 401, 404, 413, 415, 500),
                  openapi_extra=json_body(TokenizeRequest))
     async def tokenize(raw_request: Request) -> dict:
-        req = await _parse(raw_request, TokenizeRequest)
+        req = await parse_request(raw_request, TokenizeRequest)
         chat.check_model(req.model)
         return serving_tokenize.tokenize(engine, req).model_dump(exclude_none=True)
 
     @tokens.post("/detokenize", responses=answers(DetokenizeResponse, 400, 401, 404, 413, 415, 500),
                  openapi_extra=json_body(DetokenizeRequest))
     async def detokenize(raw_request: Request) -> dict:
-        req = await _parse(raw_request, DetokenizeRequest)
+        req = await parse_request(raw_request, DetokenizeRequest)
         chat.check_model(req.model)
         return serving_tokenize.detokenize(engine, req).model_dump()
 
@@ -172,27 +186,9 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     return app
 
 
-async def _parse(raw_request: Request, model: type[ModelT]) -> ModelT:
-    _check_json_content_type(raw_request.headers.get("content-type"))
-    return parse_body(await raw_request.body(), model)
-
-
 def _answer(answer: pydantic.BaseModel | Response) -> Response:
     """A generation route's response: the whole answer as JSON, or the SSE response as it is."""
     return answer if isinstance(answer, Response) else JSONResponse(answer.model_dump())
-
-
-def _check_json_content_type(content_type: str | None) -> None:
-    """A body is read as JSON only when it says it is JSON (or says nothing, as FastAPI allows): a web page
-    may send `text/plain` or a form to a localhost server without asking it first (no CORS preflight), so
-    such a body is refused instead of obeyed."""
-    if content_type is None:
-        return
-    media = content_type.split(";", 1)[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got "
-                            f"Content-Type: {content_type}", param="Content-Type",
-                       code="unsupported_media_type")
 
 
 def _version() -> str:

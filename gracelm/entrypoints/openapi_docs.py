@@ -22,8 +22,10 @@ _ERRORS: dict[int, str] = {
     400: "Invalid request: not JSON, a field of the wrong type, a value out of range or over a limit, a "
          "prompt that does not fit the context (`param` names the field).",
     401: "Missing or wrong API key (only when the server has one).",
-    404: "The `model` asked for is not the one served.",
-    413: "The request body exceeds `--max-request-body-bytes`.",
+    404: "The `model` asked for is not the one served; the file or batch named does not exist; or (files and "
+         "batches) the server keeps no state directory (`--state-dir`).",
+    409: "The batch is at its end, or finalizing, and cannot be cancelled.",
+    413: "The request body exceeds `--max-request-body-bytes` (a file upload: `--max-upload-bytes`).",
     415: "The body is not declared as JSON (`Content-Type`).",
     500: "A bug (a generic message and an error id; the details are in the server's log), or the engine "
          "died while serving the request.",

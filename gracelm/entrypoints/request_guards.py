@@ -21,19 +21,22 @@ _DRAIN_S = 2.0
 
 class BodySizeLimit:
     """Pure ASGI middleware (so streaming and disconnect detection pass through untouched): reads the
-    body up to `limit` bytes, answers 413 beyond it, and replays it to the app."""
+    body up to `limit` bytes (`paths`: another limit for these paths, such as file uploads), answers 413
+    beyond it, and replays it to the app."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
+        limit = self.paths.get(scope["path"], self.limit)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, receive, send, limit)
             return
         chunks, size = [], 0
         while True:
@@ -42,17 +45,17 @@ class BodySizeLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.limit:
-                await self._refuse(scope, receive, send)
+            if size > limit:
+                await self._refuse(scope, receive, send, limit)
                 return
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(_drop_body(receive), _DRAIN_S)
-        error = APIError(413, f"the request body exceeds {self.limit} bytes", code="request_too_large",
+        error = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large",
                          headers={"Connection": "close"})
         await error.response()(scope, receive, send)
 

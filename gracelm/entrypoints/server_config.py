@@ -47,6 +47,8 @@ class ServerConfig:
     max_waiting_requests: int | None = option(None, "answer 503 when this many admitted requests wait to "
                                                     "start (default: no limit)", check=at_least(1))
     max_request_body_bytes: int = option(1 << 20, "answer 413 to larger request bodies", check=at_least(1))
+    max_upload_bytes: int = option(200 << 20, "answer 413 to a larger file upload (POST /v1/files, a batch's "
+                                              "input)", check=at_least(1))
     max_stop_strings: int = option(64, "answer 400 to a request with more stop strings", check=at_least(0))
     max_stop_chars: int = option(4096, "answer 400 to a request whose stop strings are longer than this in "
                                        "all", check=at_least(0))
@@ -56,8 +58,9 @@ class ServerConfig:
     drain_grace_period: float = option(0.0, "seconds to keep accepting new requests after readiness turns "
                                             "503 at a stop", check=at_least(0))
     state_dir: str | None = option(None, "directory kept across restarts; holds last-shutdown.json, the last "
-                                         "stop's report, shown on /status (default: none kept)",
-                                   check=writable_dir_problem)
+                                         "stop's report, shown on /status, and batches.db, the journal of "
+                                         "the files and batches of /v1/files and /v1/batches, which need it "
+                                         "(default: none kept)", check=writable_dir_problem)
 
     def __post_init__(self) -> None:
         options.validate(self)

@@ -44,6 +44,7 @@ class ResourceKind(enum.StrEnum):
     MODEL = "model"
     KV_CACHE = "kv cache"
     KV_SNAPSHOT = "kv snapshot"
+    DATABASE = "database"
     SIGNAL_HANDLERS = "signal handlers"
 
 

@@ -74,8 +74,8 @@ class ServerState:
         """Returns once no admitted request is left unanswered."""
         await self._idle.wait()
 
-    def _enter(self) -> None:
-        self.num_waiting += 1
+    def _enter(self, waiting: bool) -> None:
+        self.num_waiting += waiting
         self.num_active += 1
         self._idle.clear()
 
@@ -84,26 +84,32 @@ class ServerState:
         if self.num_active == 0:
             self._idle.set()
 
-    def admit(self) -> Admission:
+    def admit(self, *, background: bool = False) -> Admission:
         """Admits one request or raises `AdmissionRefused`; the caller releases the admission when the
-        request leaves."""
+        request leaves. A `background` request (a batch line) is admitted only while RUNNING: a drain stops
+        background work at once, grace period or not. Its runner bounds how many it starts, so it neither
+        counts as waiting nor is refused for the waiting requests of others (`max_waiting` is for clients
+        who wait for an answer)."""
+        if background and not self.ready:
+            raise AdmissionRefused(f"the server is {self.lifecycle.value} and starts no background work",
+                                   "server_unavailable", close=False)
         if not (self.ready or (self.lifecycle is Lifecycle.DRAINING and self.accepting)):
             raise AdmissionRefused(f"the server is {self.lifecycle.value} and takes no new requests",
                                    "server_unavailable", close=True)
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+        if not background and self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise AdmissionRefused(f"too many waiting requests ({self.num_waiting}); try again later",
                                    "queue_full", close=False)
-        return Admission(self)
+        return Admission(self, waiting=not background)
 
 
 class Admission:
     """One admitted request's place in the waiting count, held until its first output or its end."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, waiting: bool = True) -> None:
         self._state = state
-        self._waiting = True
+        self._waiting = waiting
         self._active = True
-        state._enter()
+        state._enter(waiting)
 
     def started(self) -> None:
         if self._waiting:

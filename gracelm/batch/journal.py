@@ -1,0 +1,431 @@
+"""The batch journal: uploaded files, batches, their lines and each line's result, kept in
+`DIR/batches.db` (`--state-dir DIR`) so that accepted work survives a crash of any process, a `kill -9` or
+a power cut, and the next start on DIR resumes it.
+
+An embedded database made for this, the standard library's SQLite, not a log of our own: WAL mode with
+`synchronous=FULL`, so each committed transaction is on disk (fsynced) when the commit returns, and a crash
+at any point leaves the last committed state. Every change that must be seen whole is one transaction:
+a file row with its content and checksum; a batch's validation with all its lines; a line's result with
+its state; a batch's end with its output and error files. A line counts as completed only once its result
+is committed; a line still `queued` after a crash simply runs again, and a result is unique per line
+(primary key), as a custom_id is per batch (unique index), so no line can appear twice.
+
+File contents are BLOBs in the same database rather than files beside it: the row, its bytes and its
+SHA-256 then commit atomically (no temporary file, rename and directory fsync, no orphan to sweep after a
+crash), and `PRAGMA integrity_check` covers them. The cost, each byte written twice (WAL, then the
+checkpoint), is paid once per upload. The checksum is verified at every read.
+
+One process at a time: the journal holds an exclusive `flock` on `DIR/batches.lock` while open (released by
+the kernel when the process dies, even by SIGKILL); a second server on the same DIR fails to start.
+
+Thread-safe: one connection, used under a lock; the async callers run these methods in a worker thread so
+that an fsync never holds the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gracelm.batch.objects import (
+    OUTPUT_PURPOSE,
+    TIMESTAMPS,
+    BatchRecord,
+    FileRecord,
+    LineState,
+    RequestCounts,
+    Status,
+    new_id,
+    unanswered_line,
+)
+from gracelm.lifecycle.test_hooks import active_test_hooks
+
+logger = logging.getLogger(__name__)
+
+DB_NAME = "batches.db"
+LOCK_NAME = "batches.lock"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY,
+    purpose TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    content BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY,
+    endpoint TEXT,
+    input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    status TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER,
+    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER,
+    expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
+    output_file_id TEXT,
+    error_file_id TEXT,
+    errors TEXT,
+    metadata TEXT
+);
+CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL REFERENCES batches (id) ON DELETE CASCADE,
+    line INTEGER NOT NULL,
+    custom_id TEXT NOT NULL,
+    url TEXT NOT NULL,
+    body TEXT NOT NULL,
+    state TEXT NOT NULL,
+    attempt INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (batch_id, line),
+    UNIQUE (batch_id, custom_id)
+);
+CREATE INDEX IF NOT EXISTS lines_by_state ON lines (batch_id, state, line);
+CREATE TABLE IF NOT EXISTS results (
+    batch_id TEXT NOT NULL,
+    line INTEGER NOT NULL,
+    output TEXT NOT NULL,
+    PRIMARY KEY (batch_id, line),
+    FOREIGN KEY (batch_id, line) REFERENCES lines (batch_id, line) ON DELETE CASCADE
+);
+"""
+_FILE_COLUMNS = "id, purpose, filename, bytes, sha256, created_at"
+_BATCH_COLUMNS = ("id, endpoint, input_file_id, completion_window, status, created_at, expires_at, "
+                  + ", ".join(TIMESTAMPS) + ", output_file_id, error_file_id, errors, metadata")
+
+
+class JournalError(RuntimeError):
+    """The journal cannot be used: its directory is held by another process, or its format is unknown."""
+
+
+class CorruptFileError(RuntimeError):
+    """A stored file's bytes no longer match the checksum taken at upload."""
+
+
+class NotCancellable(ValueError):
+    """A batch already at its end (completed, failed, expired) or finalizing cannot be cancelled."""
+
+
+class Line:
+    """A line the runner is to run: where it is, what it asks, and how many times it was started."""
+
+    __slots__ = ("batch_id", "line", "custom_id", "url", "body", "attempt")
+
+    def __init__(self, batch_id: str, line: int, custom_id: str, url: str, body: str, attempt: int) -> None:
+        self.batch_id, self.line, self.custom_id = batch_id, line, custom_id
+        self.url, self.body, self.attempt = url, body, attempt
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.batch_id, self.line
+
+
+class Journal:
+    def __init__(self, directory: str | Path) -> None:
+        """Opens (creating them if need be) the journal of `directory`; raises `JournalError` if another
+        process holds it."""
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / DB_NAME
+        self._lock_fd = _lock(self.directory / LOCK_NAME)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._check_version()
+            self._db.executescript(_SCHEMA)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._mutex = threading.Lock()
+        self._closed = False
+        # TEST-ONLY: each transaction waits this long before its COMMIT, so that a test's kill lands inside
+        # open transactions (`lifecycle/test_hooks.py`).
+        self._commit_sleep_s = float(active_test_hooks().get("test_journal_commit_sleep_s", 0))
+
+    def _check_version(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version == 0:
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        elif version != SCHEMA_VERSION:
+            raise JournalError(f"{self.path} has format version {version}; this gracelm reads version "
+                               f"{SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        """Waits for the operation in progress, closes the database and releases the directory."""
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            self._db.close()
+            os.close(self._lock_fd)
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed (and fsynced) when the block ends, rolled back if it raises."""
+        with self._mutex:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            if self._commit_sleep_s:
+                time.sleep(self._commit_sleep_s)
+            self._db.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        with self._mutex:
+            yield self._db
+
+    # -- files ---------------------------------------------------------------------------------------
+
+    def add_file(self, filename: str, purpose: str, content: bytes) -> FileRecord:
+        with self._write() as db:
+            return _insert_file(db, filename, purpose, content)
+
+    def get_file(self, file_id: str) -> FileRecord | None:
+        with self._read() as db:
+            row = db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ?", (file_id,)).fetchone()
+        return None if row is None else FileRecord(*row)
+
+    def list_files(self, purpose: str | None, after: str | None, limit: int,
+                   newest_first: bool) -> tuple[list[FileRecord], bool]:
+        """A page of files (oldest or newest first) after the file `after`, and whether more follow."""
+        with self._read() as db:
+            rows = _page(db, "files", _FILE_COLUMNS, "purpose = ?" if purpose else "",
+                         [purpose] if purpose else [], after, limit, newest_first)
+        return [FileRecord(*row) for row in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, file_id: str) -> bool:
+        with self._write() as db:
+            return db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0
+
+    def file_content(self, file_id: str) -> bytes | None:
+        """The file's bytes, checked against the checksum taken when they were stored."""
+        with self._read() as db:
+            row = db.execute("SELECT content, sha256 FROM files WHERE id = ?", (file_id,)).fetchone()
+        if row is None:
+            return None
+        content, checksum = row
+        if hashlib.sha256(content).hexdigest() != checksum:
+            raise CorruptFileError(f"the stored bytes of {file_id} do not match their checksum")
+        return bytes(content)
+
+    # -- batches -------------------------------------------------------------------------------------
+
+    def create_batch(self, input_file_id: str, endpoint: str | None, completion_window: str,
+                     window_s: float | None, metadata: dict[str, str] | None) -> BatchRecord:
+        """A new batch, validating; it expires `window_s` s from now (None: never)."""
+        now = int(time.time())
+        batch_id = new_id("batch_")
+        with self._write() as db:
+            db.execute("INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, "
+                       "created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       (batch_id, endpoint, input_file_id, completion_window, Status.VALIDATING, now,
+                        None if window_s is None else int(now + window_s),
+                        None if metadata is None else json.dumps(metadata)))
+            return _batch(db, batch_id)
+
+    def get_batch(self, batch_id: str) -> BatchRecord | None:
+        with self._read() as db:
+            return _batch(db, batch_id)
+
+    def list_batches(self, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
+        """A page of batches, newest first, after the batch `after`, and whether more follow."""
+        with self._read() as db:
+            rows = _page(db, "batches", "id", "", [], after, limit, newest_first=True)
+            return [_batch(db, row[0]) for row in rows[:limit]], len(rows) > limit
+
+    def batches_in(self, statuses: tuple[Status, ...]) -> list[BatchRecord]:
+        """The batches in these statuses, oldest first."""
+        marks = ", ".join("?" * len(statuses))
+        with self._read() as db:
+            ids = db.execute(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY created_at, rowid",
+                             statuses).fetchall()
+            return [_batch(db, batch_id) for (batch_id,) in ids]
+
+    def request_cancel(self, batch_id: str) -> BatchRecord | None:
+        """Moves a validating or running batch to cancelling (the runner ends it); one cancelling or
+        cancelled is returned as it is. None: no such batch; raises `NotCancellable` at its end."""
+        with self._write() as db:
+            batch = _batch(db, batch_id)
+            if batch is None or batch.status in (Status.CANCELLING, Status.CANCELLED):
+                return batch
+            if batch.status not in (Status.VALIDATING, Status.IN_PROGRESS):
+                raise NotCancellable(f"batch {batch_id} is {batch.status.value} and cannot be cancelled")
+            _set_status(db, batch_id, Status.CANCELLING)
+            return _batch(db, batch_id)
+
+    # -- the runner's ---------------------------------------------------------------------------------
+
+    def start_batch(self, batch_id: str, lines: list[tuple[int, str, str, str]]) -> bool:
+        """A validated batch: its lines (number, custom_id, url, body) queued and the batch in progress,
+        together. False if it is no longer validating (cancelled meanwhile): nothing is written."""
+        with self._write() as db:
+            if not _status_is(db, batch_id, Status.VALIDATING):
+                return False
+            db.executemany("INSERT INTO lines (batch_id, line, custom_id, url, body, state) "
+                           "VALUES (?, ?, ?, ?, ?, ?)",
+                           [(batch_id, n, cid, url, body, LineState.QUEUED) for n, cid, url, body in lines])
+            _set_status(db, batch_id, Status.IN_PROGRESS)
+            return True
+
+    def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        """A batch whose input was refused: failed, with OpenAI's `errors.data`."""
+        with self._write() as db:
+            if _status_is(db, batch_id, Status.VALIDATING):
+                db.execute("UPDATE batches SET errors = ? WHERE id = ?", (json.dumps(errors), batch_id))
+                _set_status(db, batch_id, Status.FAILED)
+
+    def take_lines(self, batch_id: str, after: int, limit: int) -> list[Line]:
+        """Up to `limit` queued lines of the batch numbered above `after`, in order, each with its attempt
+        counted (committed before they run)."""
+        with self._write() as db:
+            rows = db.execute("SELECT line, custom_id, url, body, attempt FROM lines WHERE batch_id = ? AND "
+                              "state = ? AND line > ? ORDER BY line LIMIT ?",
+                              (batch_id, LineState.QUEUED, after, limit)).fetchall()
+            db.executemany("UPDATE lines SET attempt = attempt + 1 WHERE batch_id = ? AND line = ?",
+                           [(batch_id, row[0]) for row in rows])
+        return [Line(batch_id, n, cid, url, body, attempt + 1) for n, cid, url, body, attempt in rows]
+
+    def record_results(self, results: list[tuple[str, int, LineState, dict[str, Any]]]) -> None:
+        """Lines' results (batch, line, final state, output line), committed together: each line counts as
+        finished from the commit on."""
+        with self._write() as db:
+            db.executemany("INSERT INTO results (batch_id, line, output) VALUES (?, ?, ?)",
+                           [(b, n, json.dumps(output)) for b, n, _, output in results])
+            db.executemany("UPDATE lines SET state = ? WHERE batch_id = ? AND line = ?",
+                           [(state, b, n) for b, n, state, _ in results])
+
+    def begin_finalizing(self, batch_id: str) -> None:
+        with self._write() as db:
+            if _status_is(db, batch_id, Status.IN_PROGRESS):
+                _set_status(db, batch_id, Status.FINALIZING)
+
+    def finalize(self, batch_id: str, final: Status, unfinished: tuple[str, str] | None) -> None:
+        """Ends the batch: the lines never run get an error line (`unfinished`: its code and message; only
+        for a cancelled or expired batch), the output and error files are written from the results, and
+        the batch takes its final status — in one transaction."""
+        with self._write() as db:
+            if unfinished is not None:
+                queued = db.execute("SELECT line, custom_id FROM lines WHERE batch_id = ? AND state = ?",
+                                    (batch_id, LineState.QUEUED)).fetchall()
+                db.executemany("INSERT INTO results (batch_id, line, output) VALUES (?, ?, ?)",
+                               [(batch_id, n, json.dumps(unanswered_line(cid, *unfinished)))
+                                for n, cid in queued])
+                db.execute("UPDATE lines SET state = ? WHERE batch_id = ? AND state = ?",
+                           (LineState.FAILED, batch_id, LineState.QUEUED))
+            files = {}
+            for state, column, suffix in ((LineState.COMPLETED, "output_file_id", "output"),
+                                          (LineState.FAILED, "error_file_id", "error")):
+                outputs = db.execute("SELECT r.output FROM results r JOIN lines l USING (batch_id, line) "
+                                     "WHERE r.batch_id = ? AND l.state = ? ORDER BY r.line",
+                                     (batch_id, state)).fetchall()
+                if outputs:
+                    content = "".join(output + "\n" for (output,) in outputs).encode()
+                    files[column] = _insert_file(db, f"{batch_id}_{suffix}.jsonl", OUTPUT_PURPOSE, content).id
+            for column, file_id in files.items():
+                db.execute(f"UPDATE batches SET {column} = ? WHERE id = ?", (file_id, batch_id))
+            _set_status(db, batch_id, final)
+
+    def results(self, batch_id: str) -> list[dict[str, Any]]:
+        """The batch's output lines committed so far, in line order."""
+        with self._read() as db:
+            rows = db.execute("SELECT output FROM results WHERE batch_id = ? ORDER BY line",
+                              (batch_id,)).fetchall()
+        return [json.loads(output) for (output,) in rows]
+
+    def find_batch_of_file(self, input_file_id: str) -> BatchRecord | None:
+        """The newest batch made from this input file (`gracelm run-batch` resumes it)."""
+        with self._read() as db:
+            row = db.execute("SELECT id FROM batches WHERE input_file_id = ? ORDER BY created_at DESC, "
+                             "rowid DESC LIMIT 1", (input_file_id,)).fetchone()
+            return None if row is None else _batch(db, row[0])
+
+    def find_file(self, sha256: str, purpose: str) -> FileRecord | None:
+        """The oldest stored file with these bytes (by checksum) and purpose."""
+        with self._read() as db:
+            row = db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE sha256 = ? AND purpose = ? "
+                             "ORDER BY created_at, rowid LIMIT 1", (sha256, purpose)).fetchone()
+        return None if row is None else FileRecord(*row)
+
+
+def _lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise JournalError(f"another process holds the batch journal in {path.parent} (the lock "
+                           f"{path.name}); one server per state directory") from None
+    return fd
+
+
+def _insert_file(db: sqlite3.Connection, filename: str, purpose: str, content: bytes) -> FileRecord:
+    record = FileRecord(new_id("file-"), purpose, filename, len(content), hashlib.sha256(content).hexdigest(),
+                        int(time.time()))
+    db.execute(f"INSERT INTO files ({_FILE_COLUMNS}, content) VALUES (?, ?, ?, ?, ?, ?, ?)",
+               (*(getattr(record, f) for f in ("id", "purpose", "filename", "bytes", "sha256", "created_at")),
+                content))
+    return record
+
+
+def _page(db: sqlite3.Connection, table: str, columns: str, where: str, args: list[Any], after: str | None,
+          limit: int, newest_first: bool) -> list[tuple]:
+    """Up to `limit` + 1 rows (the extra says whether more follow) in creation order, after the row whose id
+    is `after` (none: from the start; unknown: nothing)."""
+    conditions, values = ([where], list(args)) if where else ([], [])
+    if after is not None:
+        anchor = db.execute(f"SELECT created_at, rowid FROM {table} WHERE id = ?", (after,)).fetchone()
+        if anchor is None:
+            return []
+        conditions.append(f"(created_at, rowid) {'<' if newest_first else '>'} (?, ?)")
+        values += list(anchor)
+    order = "DESC" if newest_first else "ASC"
+    clause = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+    return db.execute(f"SELECT {columns} FROM {table} {clause} ORDER BY created_at {order}, rowid {order} "
+                      f"LIMIT ?", (*values, limit + 1)).fetchall()
+
+
+def _status_is(db: sqlite3.Connection, batch_id: str, status: Status) -> bool:
+    row = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    return row is not None and row[0] == status
+
+
+def _set_status(db: sqlite3.Connection, batch_id: str, status: Status) -> None:
+    column = f"{status.value}_at"
+    stamp = f", {column} = ?" if column in TIMESTAMPS else ""
+    values = (status, int(time.time())) if stamp else (status,)
+    db.execute(f"UPDATE batches SET status = ?{stamp} WHERE id = ?", (*values, batch_id))
+
+
+def _batch(db: sqlite3.Connection, batch_id: str) -> BatchRecord | None:
+    row = db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?", (batch_id,)).fetchone()
+    if row is None:
+        return None
+    (batch_id, endpoint, input_file_id, window, status, created_at, expires_at, *rest) = row
+    times = dict(zip(TIMESTAMPS, rest[:len(TIMESTAMPS)], strict=True))
+    output_file_id, error_file_id, errors, metadata = rest[len(TIMESTAMPS):]
+    counts = dict(db.execute("SELECT state, COUNT(*) FROM lines WHERE batch_id = ? GROUP BY state",
+                             (batch_id,)).fetchall())
+    request_counts = RequestCounts(sum(counts.values()), counts.get(LineState.COMPLETED, 0),
+                                   counts.get(LineState.FAILED, 0))
+    return BatchRecord(batch_id, endpoint, input_file_id, window, Status(status), created_at, expires_at,
+                       times, output_file_id, error_file_id, None if errors is None else json.loads(errors),
+                       None if metadata is None else json.loads(metadata), request_counts)
