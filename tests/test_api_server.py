@@ -249,3 +249,13 @@ def test_default_model_speaks_english():
             messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
         assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_files_and_batches_need_a_state_dir(client):
+    # Without --state-dir nothing durable would keep them: each route says so, naming the option.
+    calls = (client.files.list, client.batches.list, lambda: client.batches.retrieve("batch_x"),
+             lambda: client.files.create(file=("in.jsonl", b"{}\n"), purpose="batch"))
+    for call in calls:
+        with pytest.raises(openai.NotFoundError) as refused:
+            call()
+        assert refused.value.code == "state_dir_required" and "--state-dir" in refused.value.message

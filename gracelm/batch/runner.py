@@ -77,6 +77,15 @@ class BatchRunner:
         """Something changed in the journal (a batch created or cancelled): look again."""
         self._wake.set()
 
+    async def progress(self) -> list[dict[str, Any]]:
+        """Each batch not at its end, oldest first: its status and its lines by state (for /status.json and
+        /metrics)."""
+        batches = await asyncio.to_thread(self._journal.batches_in, ACTIVE)
+        return [{"id": b.id, "status": b.status.value, "endpoint": b.endpoint, "created_at": b.created_at,
+                 "expires_at": b.expires_at, "total": b.counts.total, "completed": b.counts.completed,
+                 "failed": b.counts.failed, "running": self.running(b.id),
+                 "queued": _queued(b) - self.running(b.id)} for b in batches]
+
     def running(self, batch_id: str) -> int:
         """The batch's lines running now."""
         return sum(key[0] == batch_id for key in self._in_flight)

@@ -132,6 +132,8 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
             metrics.set_core_state(None)
         metrics.set_lifecycle(state.lifecycle.value)
         metrics.set_request_faults(engine.request_faults)
+        if runner is not None:
+            metrics.set_batches(await runner.progress())
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
@@ -182,7 +184,8 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
         return serving_tokenize.detokenize(engine, req).model_dump()
 
     app.include_router(tokens)
-    app.include_router(status_router(engine, settings, state, metrics, model_name))
+    app.include_router(status_router(engine, settings, state, metrics, model_name,
+                                     None if runner is None else runner.progress))
     return app
 
 

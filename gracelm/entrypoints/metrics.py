@@ -30,6 +30,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # Where a request's own fault may end it (containment; the engine serves on): its stages in the engine core,
 # then the frontend's.
 FAULT_STAGES = ("sampling", "stop_check", "detokenize")
+# A batch's statuses before its end, and its lines' states (`gracelm.batch.objects`, `BatchRunner.progress`).
+BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+BATCH_LINE_STATES = ("queued", "running", "completed", "failed")
 
 
 class ServerMetrics:
@@ -77,6 +80,9 @@ class ServerMetrics:
                                  "start.")
         self.kv_restored_hits = gauge("kv_restored_block_hits",
                                       "Prefix-cache hits, in blocks, on blocks restored from --kv-cache-dir.")
+        self.batches = gauge("batches", "Batches (/v1/batches) not at their end, by status.", ("status",))
+        self.batch_lines = gauge("batch_lines", "Lines of the batches not at their end, by state (queued, "
+                                 "running, completed, failed).", ("state",))
         self.lifecycle = gauge("lifecycle_state", "1 for the server's current lifecycle state.", ("state",))
         self.core_state = gauge("engine_core_state",
                                 "1 for the engine core's shutdown state (running, requested, shutting_down).",
@@ -177,6 +183,15 @@ class ServerMetrics:
         """Brings the fault counter up to the engine's running counts, by stage."""
         for stage, count in counts.items():
             self._count_up(f"request_faults:{stage}", self.request_faults, count, stage=stage)
+
+    def set_batches(self, progress: list[dict[str, Any]]) -> None:
+        """The batches' progress (`BatchRunner.progress`), as totals over the active batches: the labels stay
+        few whatever the number of batches."""
+        for status in BATCH_STATUSES:
+            count = sum(b["status"] == status for b in progress)
+            self.batches.labels(**self._label, status=status).set(count)
+        for state in BATCH_LINE_STATES:
+            self.batch_lines.labels(**self._label, state=state).set(sum(b[state] for b in progress))
 
     def set_lifecycle(self, state: str) -> None:
         for name in self._states:

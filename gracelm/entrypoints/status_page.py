@@ -2,7 +2,8 @@
 `/status.json` every 2 s and draws its charts as inline SVG; no external asset, no build step) and
 `/status.json` (what the page shows): the server's state, uptime, model, the requests in flight with
 their progress, KV-cache use, prefix-cache hits, output tokens per second over the last ten minutes,
-during a drain its deadline and what is left, and the last stop's report kept in `--state-dir`.
+during a drain its deadline and what is left, the progress of each batch not at its end (with
+`--state-dir`), and the last stop's report kept in `--state-dir`.
 
 Access follows the API key: without one both are open; with one `/status.json` needs `Authorization:
 Bearer KEY` like `/v1`, and `/status` takes the same header or `?key=KEY`, since a browser cannot send a
@@ -25,6 +26,7 @@ import importlib.resources
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -45,12 +47,15 @@ MAX_LISTED_REQUESTS = 50
 # How long /status.json waits for the core's figures: a stuck core must not stall the page that shows it.
 STATS_WAIT_S = 2.0
 
+BatchProgress = Callable[[], Awaitable[list[dict[str, Any]]]]
+
 _KEY_IN_QUERY = re.compile(r"([?&]key=)[^&\s\"]*")
 
 
 def status_router(engine: AsyncEngine, settings: ServerConfig, state: ServerState, metrics: ServerMetrics,
-                  model_name: str) -> APIRouter:
-    """The two routes; the last stop's record is read now, before this run's stop replaces it."""
+                  model_name: str, batches: BatchProgress | None) -> APIRouter:
+    """The two routes; the last stop's record is read now, before this run's stop replaces it. `batches`:
+    the batches' progress (`BatchRunner.progress`; None without `--state-dir`)."""
     last_shutdown = load_last_shutdown(settings.state_dir)
     page = _Page.load()
     engine_stats = _EngineStats(engine)
@@ -69,6 +74,7 @@ def status_router(engine: AsyncEngine, settings: ServerConfig, state: ServerStat
     async def status_json() -> JSONResponse:
         stats = await engine_stats.get()
         body = _snapshot(engine, stats, settings, state, metrics, model_name, last_shutdown)
+        body["batches"] = None if batches is None else await batches()
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     return router

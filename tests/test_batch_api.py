@@ -1,0 +1,227 @@
+"""The Batch API of a real `gracelm serve --state-dir` through the official `openai` client: a batch of
+dozens of lines answered as the online route answers, its progress on /status.json and /metrics, every
+bad input refused as OpenAI refuses it (a failed batch with `errors`, a line's error in the error file, a
+4xx at the route), a cancelled batch and an expired one, a file whose bytes no longer match their
+checksum. The journal passes `PRAGMA integrity_check` afterwards and the servers stop cleanly."""
+
+from __future__ import annotations
+
+import io
+import json
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gracelm.batch.journal import DB_NAME
+from tests.batch_helpers import (
+    SERVE_ARGS,
+    chat_line,
+    chat_lines,
+    client,
+    integrity,
+    jsonl,
+    outputs,
+    submit,
+    wait_for,
+)
+from tests.server_process import ServerProcess, metric_value
+from tests.tiny_models import tiny_model
+
+API_KEY = "batch-key"
+UPLOAD_LIMIT = 64 << 10
+HOOKS = {"GRACELM_TEST_HOOKS": json.dumps({"test_step_sleep_s": 0.02})}
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("batch-state") / "state"
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(tiny_model("llama"), *SERVE_ARGS, "--state-dir", str(state_dir), "--api-key", API_KEY,
+                       "--max-num-seqs", "8", "--max-upload-bytes", str(UPLOAD_LIMIT), env=HOOKS) as server:
+        yield server
+    assert integrity(state_dir) == "ok"
+
+
+@pytest.fixture(scope="module")
+def api(server: ServerProcess) -> openai.OpenAI:
+    return client(server.url, API_KEY)
+
+
+def test_a_batch_of_dozens_of_lines_answers_each_once_as_the_online_route(api, server):
+    lines = chat_lines(36)
+    batch = submit(api, jsonl(lines))
+    assert batch.status == "validating" and batch.endpoint == "/v1/chat/completions"
+    assert batch.expires_at - batch.created_at == 24 * 3600
+    done = wait_for(api, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts.total == 36 and done.request_counts.completed == 36
+    assert done.error_file_id is None and done.in_progress_at and done.finalizing_at and done.completed_at
+    answers = outputs(api, done)
+    assert sorted(answers) == sorted(line["custom_id"] for line in lines)
+    for line in lines[:4]:  # greedy: what the online route answers for the same body
+        online = httpx.post(f"{server.url}/v1/chat/completions", json=line["body"], timeout=60,
+                            headers={"Authorization": f"Bearer {API_KEY}"}).json()
+        output = answers[line["custom_id"]]
+        assert output["response"]["status_code"] == 200 and output["error"] is None
+        body = output["response"]["body"]
+        assert body["id"].startswith("chatcmpl-")
+        assert {**body, "id": online["id"], "created": online["created"]} == online
+    assert api.batches.list(limit=1).data[0].id == done.id  # newest first
+    assert api.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+
+def test_completions_batch_and_the_files_routes(api):
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"the dog {i}", "max_tokens": 3, "temperature": 0}} for i in range(3)]
+    content = jsonl(lines)
+    file = api.files.create(file=("completions.jsonl", io.BytesIO(content)), purpose="batch")
+    assert file.bytes == len(content) and file.filename == "completions.jsonl"
+    assert api.files.content(file.id).content == content
+    batch = api.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h",
+                               metadata={"job": "nightly"})
+    done = wait_for(api, batch.id)
+    assert done.status == "completed" and done.metadata == {"job": "nightly"}
+    for line in outputs(api, done).values():
+        assert line["response"]["body"]["object"] == "text_completion"
+    assert file.id in [f.id for f in api.files.list(purpose="batch")]
+    assert api.files.delete(file.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        api.files.retrieve(file.id)
+
+
+@pytest.mark.parametrize("content,code,line,param", [
+    (b'{"custom_id": "a", "method": "POST"\n', "invalid_json_line", 1, None),
+    (jsonl([chat_line("a", "x"), {**chat_line("b", "y"), "url": "/v1/embeddings"}]), "invalid_url", 2, "url"),
+    (jsonl([{**chat_line("a", "x"), "url": "/v1/completions"}]), "invalid_url", 1, "url"),
+    (jsonl([{**chat_line("a", "x"), "method": "GET"}]), "invalid_value", 1, "method"),
+    (jsonl([chat_line("a", "x"), chat_line("a", "y")]), "duplicate_custom_id", 2, "custom_id"),
+    (jsonl([{k: v for k, v in chat_line("a", "x").items() if k != "custom_id"}]),
+     "missing_required_parameter", 1, "custom_id"),
+    (jsonl([{**chat_line("a", "x"), "body": "hello"}]), "invalid_type", 1, "body"),
+    (jsonl([{**chat_line("a", "x"), "priority": 1}]), "invalid_request", 1, "priority"),
+    (b"\n\n", "empty_file", None, None),
+])
+def test_a_bad_input_file_fails_the_batch_with_openai_errors(api, content, code, line, param):
+    failed = wait_for(api, submit(api, content).id)
+    assert failed.status == "failed" and failed.failed_at and failed.request_counts.total == 0
+    first = failed.errors.data[0]
+    assert (first.code, first.line, first.param) == (code, line, param), failed.errors
+    assert failed.output_file_id is None and failed.error_file_id is None
+
+
+def test_a_body_the_api_would_refuse_is_that_lines_error_as_the_online_route_gives_it(api, server):
+    bodies = {"unknown-field": {"messages": [{"role": "user", "content": "x"}], "colour": "red"},
+              "wrong-type": {"messages": [{"role": "user", "content": "x"}], "max_tokens": "4"},
+              "no-messages": {"messages": []},
+              "other-model": {"model": "not-served", "messages": [{"role": "user", "content": "x"}]},
+              "too-long": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100_000}}
+    lines = [{"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+             for cid, body in bodies.items()]
+    lines += [chat_line("streamed", "x", stream=True), chat_line("fine", "x")]
+    done = wait_for(api, submit(api, jsonl(lines)).id)
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 6)
+    answers = outputs(api, done)
+    for cid, body in bodies.items():
+        online = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                            headers={"Authorization": f"Bearer {API_KEY}"})
+        response = answers[cid]["response"]
+        assert online.status_code in (400, 404), online.text
+        assert (response["status_code"], response["body"]) == (online.status_code, online.json()), cid
+    assert answers["streamed"]["response"]["body"]["error"]["param"] == "stream"
+    error_file = api.files.content(done.error_file_id).text
+    assert "fine" not in [json.loads(line)["custom_id"] for line in error_file.splitlines()]
+
+
+def test_bad_requests_to_the_routes_are_refused(api, server):
+    file = api.files.create(file=("in.jsonl", io.BytesIO(jsonl(chat_lines(1)))), purpose="batch")
+    for kwargs, status in (({"endpoint": "/v1/embeddings"}, 400), ({"completion_window": "1h"}, 400),
+                           ({"input_file_id": "file-missing"}, 404),
+                           ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400)):
+        request = {"input_file_id": file.id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
+                   **kwargs}
+        with pytest.raises(openai.APIStatusError) as refused:
+            api.batches.create(**request)
+        assert refused.value.status_code == status, (kwargs, refused.value)
+    with pytest.raises(openai.BadRequestError):
+        api.files.create(file=("in.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
+    with pytest.raises(openai.APIStatusError) as too_big:  # refused at upload, like any oversized body
+        api.files.create(file=("big.jsonl", io.BytesIO(b"x" * (UPLOAD_LIMIT + 1))), purpose="batch")
+    assert too_big.value.status_code == 413
+    with pytest.raises(openai.NotFoundError):
+        api.batches.retrieve("batch_missing")
+    done = wait_for(api, api.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h").id)
+    with pytest.raises(openai.ConflictError):
+        api.batches.cancel(done.id)
+    for path in ("/v1/files", "/v1/batches"):
+        assert httpx.get(f"{server.url}{path}").status_code == 401
+    # A page at a time, newest first: the next page starts after the last one seen.
+    first = api.batches.list(limit=2)
+    assert first.data[0].id == done.id and first.has_more
+    second = api.batches.list(limit=2, after=first.data[-1].id)
+    assert second.data and not {b.id for b in second.data} & {b.id for b in first.data}
+    assert second.data[0].created_at <= first.data[-1].created_at
+
+
+def test_cancel_mid_batch_keeps_what_finished_and_reports_the_rest_cancelled(api, server):
+    lines = chat_lines(48, max_tokens=16, ignore_eos=True)
+    batch = submit(api, jsonl(lines))
+    wait_for(api, batch.id, lambda b: b.request_counts.completed >= 1)
+    # Progress while it runs, on the status page and in the metrics.
+    status = httpx.get(f"{server.url}/status.json", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    shown = {b["id"]: b for b in status["batches"]}[batch.id]
+    assert shown["total"] == 48 and shown["completed"] >= 1
+    assert shown["queued"] + shown["running"] + shown["completed"] + shown["failed"] == 48
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert metric_value(metrics, "gracelm_batch_lines", state="queued") >= 1
+    assert metric_value(metrics, "gracelm_batches", status="in_progress") >= 1
+
+    cancelling = api.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    cancelled = wait_for(api, batch.id)
+    assert cancelled.status == "cancelled" and cancelled.cancelled_at
+    answers = outputs(api, cancelled)
+    assert sorted(answers) == sorted(line["custom_id"] for line in lines)
+    unrun = [a for a in answers.values() if a["error"] is not None]
+    assert unrun and all(a["error"]["code"] == "batch_cancelled" and a["response"] is None for a in unrun)
+    counts = cancelled.request_counts
+    assert counts.completed == len(answers) - len(unrun) >= 1 and counts.failed == len(unrun)
+
+
+def test_a_file_whose_bytes_no_longer_match_their_checksum_is_refused(api, state_dir):
+    file = api.files.create(file=("in.jsonl", io.BytesIO(jsonl(chat_lines(2)))), purpose="batch")
+    with sqlite3.connect(state_dir / DB_NAME) as db:  # a bit flipped on the disk, as it were
+        db.execute("UPDATE files SET content = ? WHERE id = ?", (b"[" + jsonl(chat_lines(2))[1:], file.id))
+    with pytest.raises(openai.InternalServerError) as refused:
+        api.files.content(file.id)
+    assert refused.value.code == "file_corrupted"
+    failed = wait_for(api, api.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                              completion_window="24h").id)
+    assert failed.status == "failed" and failed.errors.data[0].code == "file_corrupted"
+
+
+def test_a_batch_past_its_completion_window_expires_with_its_unrun_lines(tmp_path):
+    # A 2 s window (a test hook; OpenAI's is 24 h) and at least 0.05 s a step: 24 lines of 8 tokens, 4 at a
+    # time, take more than 2 s, so some never start.
+    hooks = {"test_batch_completion_window_s": 2, "test_step_sleep_s": 0.05}
+    with ServerProcess(tiny_model("llama"), *SERVE_ARGS, "--state-dir", str(tmp_path), "--max-num-seqs", "4",
+                       env={"GRACELM_TEST_HOOKS": json.dumps(hooks)}) as server:
+        api = client(server.url)
+        lines = chat_lines(24, max_tokens=8, ignore_eos=True)
+        expired = wait_for(api, submit(api, jsonl(lines)).id)
+        assert expired.status == "expired" and expired.expired_at >= expired.expires_at
+        answers = outputs(api, expired)
+        assert sorted(answers) == sorted(line["custom_id"] for line in lines)
+        unrun = [a for a in answers.values() if a["error"] is not None]
+        assert unrun and all(a["error"]["code"] == "batch_expired" for a in unrun)
+        assert expired.request_counts.failed == len(unrun)
+        assert expired.request_counts.completed == len(lines) - len(unrun)
+    assert integrity(tmp_path) == "ok"
