@@ -1,7 +1,8 @@
-"""The `gracelm` command: `gracelm serve ...` (the HTTP server), `gracelm generate ...` (one prompt,
-streamed to stdout) and `gracelm deploy systemd|kubernetes ...` (a unit or manifests for `serve` with the
-same options, printed). The engine's options come from `EngineConfig` and the server's from `ServerConfig`,
-each declared once (`gracelm.options`); a bad value is a usage error (exit code 2) before anything starts.
+"""The `gracelm` command: `gracelm serve ...` (the HTTP server), `gracelm generate ...` (one prompt, streamed
+to stdout), `gracelm run-batch -i IN -o OUT ...` (a batch input file run offline, resumably) and `gracelm
+deploy systemd|kubernetes ...` (a unit or manifests for `serve` with the same options, printed). The
+engine's options come from `EngineConfig` and the server's from `ServerConfig`, each declared once
+(`gracelm.options`); a bad value is a usage error (exit code 2) before anything starts.
 """
 
 from __future__ import annotations
@@ -65,6 +66,21 @@ async def _stream(engine, prompt: str | list[int], params) -> None:
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
+
+
+def _add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-i", "--input-file", required=True, help="the batch input file (OpenAI's JSONL)")
+    parser.add_argument("-o", "--output-file", required=True, help="where the output JSONL is written")
+    parser.add_argument("--state-dir", default=None, help="the journal's directory, kept to resume "
+                                                          "(default: OUTPUT_FILE.state)")
+    options.add_arguments(parser.add_argument_group("model and engine"), EngineConfig)
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    # The engine and the serving code: imported only to run a batch.
+    from gracelm.entrypoints.run_batch import run_batch as run
+
+    return run(args)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -170,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_arguments(generate.add_argument_group("model and engine"), EngineConfig)
     _add_generate_arguments(generate)
     generate.set_defaults(handler=run_generate)
+    batch = commands.add_parser("run-batch", help="run an OpenAI batch input file offline, resumably")
+    _add_run_batch_arguments(batch)
+    batch.set_defaults(handler=run_batch)
     _add_deploy_parsers(commands)
     return parser
 

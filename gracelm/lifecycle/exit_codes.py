@@ -6,6 +6,8 @@ succeed (restarting that one in a loop only hides the cause).
     1  FATAL            a failure while serving: a child died, raised, reported a fatal error or hung
     2  USAGE            bad command line or option values; nothing was started
     3  STARTUP_FAILURE  the server could not start (port taken, model not loadable, engine core failed)
+  130  INTERRUPTED      `gracelm run-batch` stopped by Ctrl-C before its end (128 + SIGINT, as a shell
+                        reports it); its finished lines are kept, and the same command resumes it
 
 A start-up that is abandoned because a stop was requested exits with CLEAN_STOP: it did what it was told.
 """
@@ -20,3 +22,4 @@ class ExitCode(enum.IntEnum):
     FATAL = 1
     USAGE = 2
     STARTUP_FAILURE = 3
+    INTERRUPTED = 130

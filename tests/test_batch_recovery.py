@@ -1,0 +1,166 @@
+"""Accepted batch work survives what can happen to the server: `kill -9` of every process of it after some
+lines finished, kills at random points (during uploads, validation, lines, finalizing; every journal
+commit held open a little so that kills land inside transactions), and a graceful stop (SIGTERM) in the
+middle of a batch. After each, a start on the same `--state-dir` completes every batch: each custom_id
+exactly once, the lines finished before keep their committed results (never recomputed), nothing failed,
+the journal passes `PRAGMA integrity_check`, and nothing of the servers is left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import signal
+import threading
+from pathlib import Path
+
+import openai
+
+from tests.batch_helpers import (
+    FINAL,
+    SERVE_ARGS,
+    chat_lines,
+    client,
+    integrity,
+    journal_rows,
+    jsonl,
+    outputs,
+    submit,
+    wait_for,
+)
+from tests.server_process import ServerProcess
+from tests.tiny_models import tiny_model
+
+SLOW_STEPS = {"test_step_sleep_s": 0.05}
+
+
+def serve(state_dir: Path, hooks: dict | None = None, *args: str) -> ServerProcess:
+    env = {"GRACELM_TEST_HOOKS": json.dumps(hooks)} if hooks else None
+    return ServerProcess(tiny_model("llama"), *SERVE_ARGS, "--state-dir", str(state_dir),
+                         "--max-num-seqs", "4", *args, env=env)
+
+
+def kill_9(server: ServerProcess) -> None:
+    """SIGKILL to the supervisor and to each of its children, by pid, as a crash would leave them."""
+    for pid in [server.pid, *(child.pid for child in server.children)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    server.process.wait(30)
+
+
+def committed(state_dir: Path) -> dict[tuple[str, int], str]:
+    """Every result in the journal, by (batch, line): the committed output lines, as text."""
+    rows = journal_rows(state_dir, "SELECT batch_id, line, output FROM results")
+    return {(batch_id, number): output for batch_id, number, output in rows}
+
+
+def assert_complete(api: openai.OpenAI, batch_id: str, custom_ids: list[str]) -> dict[str, dict]:
+    done = wait_for(api, batch_id)
+    assert done.status == "completed", done
+    answers = outputs(api, done)
+    assert sorted(answers) == sorted(custom_ids)
+    assert all(a["response"]["status_code"] == 200 for a in answers.values())
+    return answers
+
+
+def test_kill_9_of_the_whole_server_keeps_finished_lines_and_resumes_the_rest(tmp_path):
+    lines = chat_lines(32, max_tokens=8, ignore_eos=True)
+    server = serve(tmp_path, SLOW_STEPS)
+    try:
+        api = client(server.url)
+        batch = submit(api, jsonl(lines))
+        wait_for(api, batch.id, lambda b: b.request_counts.completed >= 6)
+        kill_9(server)
+    finally:
+        server.close_log()
+    before = committed(tmp_path)
+    assert 6 <= len(before) < 32 and integrity(tmp_path) == "ok"
+    with serve(tmp_path) as restarted:
+        api = client(restarted.url)
+        answers = assert_complete(api, batch.id, [line["custom_id"] for line in lines])
+        # The lines finished before the crash were not run again: their output is the one committed then.
+        rows = journal_rows(tmp_path, "SELECT line, custom_id, attempt FROM lines WHERE batch_id = ?",
+                            batch.id)
+        by_line = {number: (custom_id, attempt) for number, custom_id, attempt in rows}
+        for (_, number), output in before.items():
+            assert answers[by_line[number][0]] == json.loads(output)
+            assert by_line[number][1] == 1
+    server.assert_nothing_left()  # the restart reclaimed what the killed server left
+    assert integrity(tmp_path) == "ok"
+
+
+def test_kills_at_random_points_never_lose_duplicate_or_corrupt_a_line(tmp_path):
+    rng = random.Random(1312)
+    hooks = {"test_journal_commit_sleep_s": 0.03, "test_step_sleep_s": 0.02}
+    uploaded: dict[str, bytes] = {}  # file id -> bytes, for each upload the server confirmed
+    inputs: dict[bytes, list[str]] = {}  # input bytes -> custom_ids
+    kept: dict[tuple[str, int], str] = {}  # results committed before some kill
+    for round_ in range(3):
+        server = serve(tmp_path, hooks)
+        try:
+            api = client(server.url)
+            content = jsonl(chat_lines(6 + round_))
+            inputs[content] = [f"line-{i}" for i in range(6 + round_)]
+            work = threading.Thread(target=_upload_and_submit, args=(api, content, uploaded), daemon=True)
+            work.start()
+            work.join(rng.uniform(0.0, 1.5))
+            kill_9(server)
+            work.join(30)
+        finally:
+            server.close_log()
+        assert integrity(tmp_path) == "ok"
+        now = committed(tmp_path)
+        assert all(now.get(key) == output for key, output in kept.items()), "a committed result changed"
+        kept = now
+    with serve(tmp_path) as server:
+        api = client(server.url)
+        for file_id, content in uploaded.items():  # every confirmed upload is whole, its checksum verified
+            assert api.files.content(file_id).content == content
+        batches = journal_rows(tmp_path, "SELECT b.id, f.content FROM batches b JOIN files f ON "
+                                         "f.id = b.input_file_id")
+        assert batches, "no batch was ever created: the kills came too early to test anything"
+        for batch_id, content in batches:
+            answers = assert_complete(api, batch_id, inputs[bytes(content)])
+            results = journal_rows(tmp_path, "SELECT line, output FROM results WHERE batch_id = ?", batch_id)
+            for number, output in results:
+                if (batch_id, number) in kept:
+                    assert output == kept[batch_id, number]
+                    assert answers[json.loads(output)["custom_id"]] == json.loads(output)
+        assert [b.status for b in api.batches.list().data if b.status not in FINAL] == []
+    assert integrity(tmp_path) == "ok"
+
+
+def _upload_and_submit(api: openai.OpenAI, content: bytes, uploaded: dict[str, bytes]) -> None:
+    """Uploads, creates a batch, waits for it; the kill ends this half-way, wherever it is."""
+    with contextlib.suppress(openai.APIError):
+        file = api.files.create(file=("input.jsonl", io.BytesIO(content)), purpose="batch")
+        uploaded[file.id] = content
+        batch = api.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+        wait_for(api, batch.id, timeout=60)
+
+
+def test_a_graceful_stop_mid_batch_fails_nothing_and_a_restart_completes_it(tmp_path):
+    lines = chat_lines(24, max_tokens=8, ignore_eos=True)
+    # --shutdown-timeout 0: the lines running at the stop are aborted, so they must go back to the queue.
+    server = serve(tmp_path, SLOW_STEPS, "--shutdown-timeout", "0", "--shutdown-report",
+                   str(tmp_path / "report.json"))
+    with server:
+        api = client(server.url)
+        batch = submit(api, jsonl(lines))
+        wait_for(api, batch.id, lambda b: b.request_counts.completed >= 4)
+    assert server.exit_code == 0  # `with` stopped it with SIGTERM and checked that nothing is left
+    report = json.loads((tmp_path / "report.json").read_text())
+    released = {r["name"]: r["outcome"] for r in report["resources"]}
+    assert released["asyncio task batch-runner"] == "released"
+    assert [o for name, o in released.items() if name.startswith("batch journal")] == ["released"]
+    states = dict(journal_rows(tmp_path, "SELECT state, COUNT(*) FROM lines GROUP BY state"))
+    assert "failed" not in states and states["completed"] >= 4 and states.get("queued", 0) > 0
+    # The drain took no new line: only the lines running at the stop were started and not finished.
+    started = journal_rows(tmp_path, "SELECT COUNT(*) FROM lines WHERE attempt > 0")[0][0]
+    assert started - states["completed"] <= 4
+    with serve(tmp_path) as restarted:
+        assert_complete(client(restarted.url), batch.id, [line["custom_id"] for line in lines])
+    assert integrity(tmp_path) == "ok"
