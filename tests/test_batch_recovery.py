@@ -97,8 +97,10 @@ def test_kills_at_random_points_never_lose_duplicate_or_corrupt_a_line(tmp_path)
     uploaded: dict[str, bytes] = {}  # file id -> bytes, for each upload the server confirmed
     inputs: dict[bytes, list[str]] = {}  # input bytes -> custom_ids
     kept: dict[tuple[str, int], str] = {}  # results committed before some kill
+    killed = []
     for round_ in range(3):
         server = serve(tmp_path, hooks)
+        killed.append(server)
         try:
             api = client(server.url)
             content = jsonl(chat_lines(6 + round_))
@@ -129,6 +131,8 @@ def test_kills_at_random_points_never_lose_duplicate_or_corrupt_a_line(tmp_path)
                     assert output == kept[batch_id, number]
                     assert answers[json.loads(output)["custom_id"]] == json.loads(output)
         assert [b.status for b in api.batches.list().data if b.status not in FINAL] == []
+    for server in killed:  # the restarts reclaimed what each killed server left
+        server.assert_nothing_left()
     assert integrity(tmp_path) == "ok"
 
 

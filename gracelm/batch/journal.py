@@ -295,8 +295,10 @@ class Journal:
 
     def take_lines(self, batch_id: str, after: int, limit: int) -> list[Line]:
         """Up to `limit` queued lines of the batch numbered above `after`, in order, each with its attempt
-        counted (committed before they run)."""
+        counted (committed before they run); none once the batch is no longer in progress."""
         with self._write() as db:
+            if not _status_is(db, batch_id, Status.IN_PROGRESS):  # cancelled meanwhile
+                return []
             rows = db.execute("SELECT line, custom_id, url, body, attempt FROM lines WHERE batch_id = ? AND "
                               "state = ? AND line > ? ORDER BY line LIMIT ?",
                               (batch_id, LineState.QUEUED, after, limit)).fetchall()
@@ -318,11 +320,14 @@ class Journal:
             if _status_is(db, batch_id, Status.IN_PROGRESS):
                 _set_status(db, batch_id, Status.FINALIZING)
 
-    def finalize(self, batch_id: str, final: Status, unfinished: tuple[str, str] | None) -> None:
-        """Ends the batch: the lines never run get an error line (`unfinished`: its code and message; only
-        for a cancelled or expired batch), the output and error files are written from the results, and
-        the batch takes its final status — in one transaction."""
+    def finalize(self, batch_id: str, current: Status, final: Status,
+                 unfinished: tuple[str, str] | None) -> None:
+        """Ends the batch if it is still `current`: the lines never run get an error line (`unfinished`: its
+        code and message; only for a cancelled or expired batch), the output and error files are written
+        from the results, and the batch takes its final status — in one transaction."""
         with self._write() as db:
+            if not _status_is(db, batch_id, current):  # cancelled meanwhile: that end comes next
+                return
             if unfinished is not None:
                 queued = db.execute("SELECT line, custom_id FROM lines WHERE batch_id = ? AND state = ?",
                                     (batch_id, LineState.QUEUED)).fetchall()

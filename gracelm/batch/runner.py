@@ -113,18 +113,18 @@ class BatchRunner:
             if batch.status is Status.VALIDATING:
                 await self._validate(batch)
             elif batch.status is Status.CANCELLING and not self.running(batch.id):
-                await self._end(batch, Status.CANCELLED, CANCELLED_LINE)
+                await self._end(batch, Status.CANCELLING, Status.CANCELLED, CANCELLED_LINE)
             elif batch.status is Status.FINALIZING:
-                await self._end(batch, Status.COMPLETED, None)
+                await self._end(batch, Status.FINALIZING, Status.COMPLETED, None)
             elif batch.status is Status.IN_PROGRESS:
                 if batch.expires_at is not None and batch.expires_at <= now:
                     if not self.running(batch.id):
-                        await self._end(batch, Status.EXPIRED, EXPIRED_LINE)
+                        await self._end(batch, Status.IN_PROGRESS, Status.EXPIRED, EXPIRED_LINE)
                 elif _queued(batch):
                     runnable.append(batch)
                 elif not self.running(batch.id):
                     await asyncio.to_thread(self._journal.begin_finalizing, batch.id)
-                    await self._end(batch, Status.COMPLETED, None)
+                    await self._end(batch, Status.FINALIZING, Status.COMPLETED, None)
         for batch in runnable:
             if not await self._dispatch(batch):
                 break
@@ -152,8 +152,9 @@ class BatchRunner:
         elif await asyncio.to_thread(self._journal.start_batch, batch.id, lines):
             logger.info("batch %s in progress: %d lines", batch.id, len(lines))
 
-    async def _end(self, batch: BatchRecord, final: Status, unfinished: tuple[str, str] | None) -> None:
-        await asyncio.to_thread(self._journal.finalize, batch.id, final, unfinished)
+    async def _end(self, batch: BatchRecord, current: Status, final: Status,
+                   unfinished: tuple[str, str] | None) -> None:
+        await asyncio.to_thread(self._journal.finalize, batch.id, current, final, unfinished)
         self._cursor.pop(batch.id, None)
         logger.info("batch %s %s", batch.id, final.value)
 
