@@ -1,0 +1,71 @@
+"""The batch journal alone (no server): its durability settings, one holder per directory (a second server
+on the same `--state-dir` fails to start), checksums verified at read, a batch's end in one transaction
+from the status the runner saw, and the checks of an input file."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from gracelm.batch.journal import CorruptFileError, Journal, JournalError
+from gracelm.batch.objects import CANCELLED_LINE, INPUT_PURPOSE, LineState, Status, answered_line
+from gracelm.batch.validation import MAX_ERRORS, validate_input
+from gracelm.lifecycle.exit_codes import ExitCode
+from tests.batch_helpers import chat_lines, journal_rows, jsonl
+from tests.server_process import GRACELM
+
+
+@pytest.fixture
+def journal(tmp_path):
+    journal = Journal(tmp_path / "state")
+    yield journal
+    journal.close()
+
+
+def test_the_journal_is_sqlite_in_wal_mode_with_full_sync(journal):
+    assert journal_rows(journal.directory, "PRAGMA journal_mode")[0][0] == "wal"
+    assert journal._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_one_process_holds_a_directory(journal, tmp_path):
+    with pytest.raises(JournalError, match="another process holds the batch journal"):
+        Journal(journal.directory)
+    # A server started on a held directory fails at once, before loading a model, naming the lock.
+    held = subprocess.run([str(GRACELM), "serve", "--port", "0", "--state-dir", str(journal.directory)],
+                          capture_output=True, text=True, timeout=120)
+    assert held.returncode == ExitCode.STARTUP_FAILURE, held.stderr
+    assert "another process holds the batch journal" in held.stderr
+
+
+def test_a_files_bytes_are_checked_against_their_checksum(journal):
+    record = journal.add_file("in.jsonl", INPUT_PURPOSE, b"hello\n")
+    assert journal.file_content(record.id) == b"hello\n"
+    journal._db.execute("UPDATE files SET content = ? WHERE id = ?", (b"hellO\n", record.id))
+    with pytest.raises(CorruptFileError):
+        journal.file_content(record.id)
+
+
+def test_a_batch_ends_once_from_the_status_the_runner_saw(journal):
+    file = journal.add_file("in.jsonl", INPUT_PURPOSE, jsonl(chat_lines(3)))
+    batch = journal.create_batch(file.id, "/v1/chat/completions", "24h", 60, None)
+    lines, errors = validate_input(journal.file_content(file.id), batch.endpoint)
+    assert not errors and journal.start_batch(batch.id, lines)
+    [first] = journal.take_lines(batch.id, 0, 1)
+    journal.record_results([(batch.id, first.line, LineState.COMPLETED,
+                             answered_line("batch_req_1", first.custom_id, 200, {"ok": True}))])
+    assert journal.request_cancel(batch.id).status is Status.CANCELLING
+    journal.finalize(batch.id, Status.IN_PROGRESS, Status.EXPIRED, None)  # too late: cancelled meanwhile
+    assert journal.get_batch(batch.id).status is Status.CANCELLING
+    assert journal.take_lines(batch.id, 0, 3) == []  # no line of a batch no longer in progress
+    journal.finalize(batch.id, Status.CANCELLING, Status.CANCELLED, CANCELLED_LINE)
+    ended = journal.get_batch(batch.id)
+    assert ended.status is Status.CANCELLED and ended.times["cancelled_at"]
+    assert (ended.counts.total, ended.counts.completed, ended.counts.failed) == (3, 1, 2)
+    assert journal.file_content(ended.output_file_id).count(b"\n") == 1
+    assert journal.file_content(ended.error_file_id).count(b"batch_cancelled") == 2
+
+
+def test_a_file_with_many_bad_lines_lists_the_first_errors_only():
+    lines, errors = validate_input(b"not json\n" * (MAX_ERRORS + 50), None)
+    assert lines == [] and len(errors) == MAX_ERRORS and errors[-1]["line"] == MAX_ERRORS
