@@ -46,6 +46,8 @@ from gracelm.lifecycle.server_state import AdmissionRefused, ServerState
 
 logger = logging.getLogger(__name__)
 
+_RETRY_S = 5.0  # after a step that failed, the runner tries again this much later (or when woken)
+
 
 class LineAnswer(NamedTuple):
     status_code: int
@@ -95,7 +97,11 @@ class BatchRunner:
         try:
             while True:
                 self._wake.clear()
-                timeout = await self._step()
+                try:
+                    timeout = await self._step()
+                except Exception:  # the journal failed (a full disk, say): the batches wait, never lost
+                    logger.exception("the batch runner's step failed; trying again in %g s", _RETRY_S)
+                    timeout = _RETRY_S
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
         finally:
@@ -130,8 +136,8 @@ class BatchRunner:
                 break
         if any(b.status is Status.VALIDATING for b in batches):
             return 0.0  # validated batches are in progress now: look again at once
-        expiries = [b.expires_at for b in batches
-                    if b.status is Status.IN_PROGRESS and b.expires_at is not None]
+        expiries = [b.expires_at for b in batches  # those expired already wait for their running lines
+                    if b.status is Status.IN_PROGRESS and b.expires_at is not None and b.expires_at > now]
         return max(0.0, min(expiries) - now) if expiries else None
 
     async def _validate(self, batch: BatchRecord) -> None:
