@@ -5,7 +5,7 @@ model given (default: the default model), then for each round, in turn:
 - online: `--lines` chat requests sent at once (`--lines` concurrent clients), wall time to the last;
 - batch: the same requests as a batch file, wall time from `POST /v1/batches` to `completed`;
 - interactive: `--probes` streamed chat requests one after another, TTFT of each, alone and then while a
-  batch of `--lines` lines runs.
+  batch of 8 × `--lines` lines runs.
 
 Every request generates exactly `--max-tokens` tokens (`ignore_eos`). Reports lines/s and tokens/s of each,
 the batch / online ratio per round and its median, and TTFT p50 / p99 alone and under a batch (a machine's
@@ -61,9 +61,10 @@ def main() -> None:
                   f"batch/online {online / batch:.3f}")
             ratios.append(online / batch)
             alone += [_ttft(api, model) for _ in range(args.probes)]
-            running = threading.Thread(target=_batch, args=(api, bodies), daemon=True)
+            # A batch long enough to outlast the probes: the requests 8 times over.
+            running = threading.Thread(target=_batch, args=(api, bodies * 8), daemon=True)
             running.start()
-            time.sleep(1.0)  # the batch's lines are in the engine
+            time.sleep(0.5)  # its lines are in the engine
             loaded += [_ttft(api, model) for _ in range(args.probes)]
             running.join()
         print(f"batch/online throughput, median of {args.rounds}: {statistics.median(ratios):.3f}")
@@ -74,8 +75,13 @@ def main() -> None:
 def _online(api: openai.OpenAI, bodies: list[dict]) -> float:
     started = time.monotonic()
     with ThreadPoolExecutor(len(bodies)) as pool:
-        list(pool.map(lambda body: api.chat.completions.create(**body), bodies))
+        list(pool.map(lambda body: api.chat.completions.create(**_sdk(body)), bodies))
     return time.monotonic() - started
+
+
+def _sdk(body: dict) -> dict:
+    """The keywords of the SDK's call for a body: vLLM's fields go in `extra_body`."""
+    return {**{k: v for k, v in body.items() if k != "ignore_eos"}, "extra_body": {"ignore_eos": True}}
 
 
 def _batch(api: openai.OpenAI, bodies: list[dict]) -> float:
