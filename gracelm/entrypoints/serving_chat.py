@@ -54,7 +54,7 @@ class ServingChat(ServingBase):
                                             tools.tools)
         self.check_room(prompt_ids, max_tokens)
         request_id = request_ids.assign(raw_request, req.request_id, "chatcmpl")
-        run = await self.start([prompt_ids], params, request_id, "messages")
+        run = await self.start([prompt_ids], params, request_id, "messages", priority=req.priority)
         echo = chat_prompt.echo_text(req)
         # OpenAI names the tier that served the request when one was asked for: here, always the default.
         tier = "default" if req.service_tier is not None else None
