@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -225,3 +226,24 @@ def test_a_batch_past_its_completion_window_expires_with_its_unrun_lines(tmp_pat
         assert expired.request_counts.failed == len(unrun)
         assert expired.request_counts.completed == len(lines) - len(unrun)
     assert integrity(tmp_path) == "ok"
+
+
+def test_batch_lines_run_behind_interactive_requests(api, server):
+    # Eight long lines hold every seat (--max-num-seqs 8) at the batch priority; each needs at least 200
+    # slowed steps (4 s), so an interactive request that had to wait for a seat would end after one of them.
+    batch = submit(api, jsonl(chat_lines(8, max_tokens=200, ignore_eos=True)))
+    deadline = time.monotonic() + 120
+    while _metric(server, "gracelm_num_requests_running_background") < 8:
+        assert time.monotonic() < deadline, "the batch's lines never held every seat"
+        time.sleep(0.05)
+    online = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                        headers={"Authorization": f"Bearer {API_KEY}"},
+                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert online.status_code == 200, online.text
+    assert api.batches.retrieve(batch.id).request_counts.completed == 0  # it overtook every line
+    done = wait_for(api, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 8
+
+
+def _metric(server: ServerProcess, name: str) -> float:
+    return metric_value(httpx.get(f"{server.url}/metrics", timeout=30).text, name)

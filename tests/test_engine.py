@@ -76,6 +76,23 @@ def test_batched_greedy_equals_one_at_a_time(model, reference, options):
     assert_nothing_left()
 
 
+def test_priorities_with_preemption_change_no_token(model, reference):
+    # Each prompt more urgent than the one before, and a cache of one full-length request (16 blocks): the
+    # later ones overtake and preempt the earlier ones, however the requests reach the core.
+    prompts, ref = reference
+    priorities = [-i for i in range(len(prompts["plain"]))]
+    with Engine(model, **BASE, kv_cache_memory=16 * TINY_BLOCK_BYTES) as llm:
+        outputs = llm.generate(prompts["plain"], GREEDY, use_tqdm=False, priority=priorities)
+        assert _token_ids(outputs) == ref["plain"]
+        assert _assert_no_kv_leak(llm)["num_preemptions"] > 0
+        with pytest.raises(ValueError, match=r"priority must be an integer in \[-2147483648, 2147483647\]"):
+            llm.generate(prompts["plain"][:2], GREEDY, use_tqdm=False, priority=[0, 2**31])
+        with pytest.raises(ValueError, match="got 1 int values for 2 prompts"):
+            llm.generate(prompts["plain"][:2], GREEDY, use_tqdm=False, priority=[0])
+        _assert_no_kv_leak(llm)  # nothing was queued
+    assert_nothing_left()
+
+
 def test_shared_prefix_hits_the_prefix_cache_and_changes_nothing(model, reference):
     prompts, ref = reference
     with Engine(model, **BASE) as llm:

@@ -55,8 +55,9 @@ def config(**overrides) -> SchedulerConfig:
     return SchedulerConfig(**{**values, **overrides})
 
 
-def make_request(request_id: str, prompt: list[int], **params) -> Request:
-    return Request(request_id, list(prompt), SamplingParams(**params), eos_token_ids=(EOS,))
+def make_request(request_id: str, prompt: list[int], priority: int = 0, **params) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(**params), eos_token_ids=(EOS,),
+                   priority=priority)
 
 
 def check_step(cfg: SchedulerConfig, output: SchedulerOutput) -> None:
@@ -66,6 +67,17 @@ def check_step(cfg: SchedulerConfig, output: SchedulerOutput) -> None:
     assert len(items) <= cfg.max_num_seqs
     assert len({id(item.request) for item in items}) == len(items)
     assert all(item.num_new_tokens >= 1 for item in items)
+
+
+def check_order(scheduler: Scheduler) -> None:
+    """The scheduler's invariant: both queues in (priority, arrival) order, and within one priority every
+    running request arrived before every waiting one."""
+    for queue in (scheduler.running, scheduler.waiting):
+        keys = [(r.priority, r.arrival_order) for r in queue]
+        assert keys == sorted(keys)
+    for request in scheduler.running:
+        assert all(request.arrival_order < other.arrival_order for other in scheduler.waiting
+                   if other.priority == request.priority)
 
 
 def run(scheduler: Scheduler, arrivals: dict[int, list[Request]], model: FakeModel | None = None,
@@ -84,6 +96,7 @@ def run(scheduler: Scheduler, arrivals: dict[int, list[Request]], model: FakeMod
             for request_id in output.preempted_request_ids:
                 preemptions[request_id] = preemptions.get(request_id, 0) + 1
             scheduler.update_from_output(output, model.step(output))
+            check_order(scheduler)
         step += 1
         assert step < max_steps, "the scheduler stopped making progress"
     assert scheduler.num_running == scheduler.num_waiting == 0
@@ -111,7 +124,7 @@ def workload(seed: int, count: int, max_model_len: int, shared_prefix: int) -> l
 
 def copy_request(request: Request) -> Request:
     return Request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                   eos_token_ids=request.eos_token_ids)
+                   eos_token_ids=request.eos_token_ids, priority=request.priority)
 
 
 def test_core_modules_do_not_import_torch():
@@ -366,3 +379,157 @@ def test_config_rejects_nonsense():
         config(max_num_seqs=0)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         config(long_prefill_token_threshold=0)
+
+
+# -- priorities: a lower value runs first; equal priorities first come, first served ---------------------
+
+def step(scheduler: Scheduler, model: FakeModel) -> SchedulerOutput:
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, model.step(output))
+    check_order(scheduler)
+    return output
+
+
+def scheduled(output: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(item.request.request_id, item.num_new_tokens) for item in output.scheduled]
+
+
+def check_outputs(*requests: Request) -> None:
+    for request in requests:
+        count = len(request.output_token_ids)
+        assert count == request.sampling_params.max_tokens
+        assert request.output_token_ids == expected_tokens(request.prompt_token_ids, count)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(max_num_batched_tokens=256, num_blocks=256),
+    dict(max_num_batched_tokens=7),
+    dict(num_blocks=24),
+    dict(num_blocks=17, max_num_batched_tokens=9, long_prefill_token_threshold=5),
+    dict(num_blocks=24, max_num_seqs=3, enable_prefix_caching=False),
+])
+def test_mixed_priorities_give_solo_outputs(overrides):
+    cfg = config(max_model_len=64, **overrides)
+    requests = workload(seed=11, count=30, max_model_len=cfg.max_model_len, shared_prefix=21)
+    rng = random.Random(3)
+    for request in requests:
+        request.priority = rng.choice([-1, 0, 0, 1, 5])
+    solo = {}
+    for request in requests:
+        alone = copy_request(request)
+        run(Scheduler(cfg), {0: [alone]})
+        solo[request.request_id] = finish(alone)
+    arrivals = {step: requests[step * 3:step * 3 + 3] for step in range(10)}
+    run(Scheduler(cfg), arrivals)  # checks the order's invariant after every step
+    assert {r.request_id: finish(r) for r in requests} == solo
+
+
+def test_admission_takes_the_best_priority_then_the_first_arrived():
+    scheduler = Scheduler(config(max_num_seqs=1))
+    for name, priority in (("late-low", 3), ("first-normal", 0), ("urgent", -2), ("second-normal", 0)):
+        scheduler.add_request(make_request(name, [1, 2], priority=priority))
+    order = ["urgent", "first-normal", "second-normal", "late-low"]
+    assert [r.request_id for r in scheduler.waiting] == order
+    assert scheduled(scheduler.schedule()) == [("urgent", 2)]
+
+
+def seated(priority: int) -> tuple[Scheduler, FakeModel, list[Request], Request]:
+    """Two running requests of priority 5 on the only two seats, and a request of `priority` that arrives."""
+    cfg = config(max_num_seqs=2)
+    scheduler, model = Scheduler(cfg), FakeModel(cfg)
+    running = [make_request(name, prompt, priority=5, max_tokens=10, ignore_eos=True)
+               for name, prompt in (("first", [1, 2, 3]), ("second", [4, 5, 6]))]
+    for request in running:
+        scheduler.add_request(request)
+    step(scheduler, model)
+    arriving = make_request("arriving", [7, 8], priority=priority, max_tokens=3, ignore_eos=True)
+    scheduler.add_request(arriving)
+    return scheduler, model, running, arriving
+
+
+def test_a_waiting_request_of_higher_priority_preempts_the_latest_lower_one_for_a_seat():
+    scheduler, model, (first, second), urgent = seated(priority=0)
+    output = step(scheduler, model)
+    assert output.preempted_request_ids == ["second"] and scheduled(output) == [("arriving", 2), ("first", 1)]
+    assert second.status == RequestStatus.PREEMPTED and second.block_ids == []
+    assert second.num_computed_tokens == 0
+    assert [r.request_id for r in scheduler.waiting] == ["second"]
+    stats = scheduler.stats()
+    assert stats["num_running_background"] == stats["num_waiting_background"] == 1
+    while not urgent.is_finished:
+        step(scheduler, model)
+    assert second.status == RequestStatus.PREEMPTED and len(second.output_token_ids) == 1  # still waits
+    run(scheduler, {}, model)
+    check_outputs(first, second, urgent)  # the preempted one recomputed its context correctly
+
+
+@pytest.mark.parametrize("priority", [5, 9])
+def test_a_waiting_request_never_preempts_one_of_equal_or_higher_priority(priority):
+    scheduler, model, running, arriving = seated(priority)
+    for _ in range(9):  # the running ones finish first: 10 tokens each
+        output = step(scheduler, model)
+        assert not output.preempted_request_ids and arriving.status == RequestStatus.WAITING
+    assert all(r.is_finished for r in running)
+    run(scheduler, {}, model)
+    check_outputs(*running, arriving)
+
+
+def test_a_waiting_request_of_higher_priority_preempts_lower_ones_for_blocks():
+    cfg = config(num_blocks=10, max_model_len=28, block_size=4, max_num_batched_tokens=64)
+    scheduler, model = Scheduler(cfg), FakeModel(cfg)
+    lowest = make_request("lowest", list(range(1, 16)), priority=9, max_tokens=5, ignore_eos=True)
+    low = make_request("low", list(range(20, 35)), priority=5, max_tokens=5, ignore_eos=True)
+    for request in (lowest, low):  # 4 blocks each: 2 of 10 left
+        scheduler.add_request(request)
+    step(scheduler, model)
+    assert scheduler.kv_cache.num_free_blocks == 2
+    small = make_request("small", [40, 41, 42, 43, 44], max_tokens=2, ignore_eos=True)  # 2 blocks: fits
+    scheduler.add_request(small)
+    assert not step(scheduler, model).preempted_request_ids
+    big = make_request("big", list(range(36, 63)), priority=-1, max_tokens=1, ignore_eos=True)  # 7 blocks
+    scheduler.add_request(big)
+    output = step(scheduler, model)
+    # The lowest priority first, though it arrived first; then the next, until the 7 blocks fit.
+    assert output.preempted_request_ids == ["lowest", "low"]
+    assert scheduled(output) == [("big", 27), ("small", 1)]
+    assert [r.request_id for r in scheduler.waiting] == ["low", "lowest"]
+    run(scheduler, {}, model)
+    check_outputs(lowest, low, small, big)
+
+
+def test_the_budget_goes_to_higher_priority_first():
+    cfg = config(max_num_batched_tokens=8)
+    scheduler, model = Scheduler(cfg), FakeModel(cfg)
+    chat = make_request("chat", [1, 2, 3], max_tokens=10, ignore_eos=True)
+    batch = make_request("batch", list(range(1, 41)), priority=1, max_tokens=2, ignore_eos=True)
+    scheduler.add_request(batch)
+    scheduler.add_request(chat)
+    assert scheduled(step(scheduler, model)) == [("chat", 3), ("batch", 5)]
+    assert scheduled(step(scheduler, model)) == [("chat", 1), ("batch", 7)]
+    newcomer = make_request("newcomer", list(range(5, 12)), max_tokens=2, ignore_eos=True)
+    scheduler.add_request(newcomer)
+    # The running batch prefill yields the budget to the newcomer's prefill, at once.
+    assert scheduled(step(scheduler, model)) == [("chat", 1), ("newcomer", 7)]
+    assert scheduled(step(scheduler, model)) == [("chat", 1), ("newcomer", 1), ("batch", 6)]
+    run(scheduler, {}, model)
+    check_outputs(chat, batch, newcomer)
+
+
+def test_an_aborted_preempted_request_is_freed():
+    scheduler, model, (first, second), _ = seated(priority=0)
+    assert step(scheduler, model).preempted_request_ids == ["second"]
+    assert scheduler.abort_requests(["second"]) == ["second"]
+    assert second.status == RequestStatus.FINISHED_ABORTED and second.block_ids == []
+    assert scheduler.num_waiting == 0
+    run(scheduler, {}, model)  # checks that no block leaked
+
+
+def test_a_starved_request_of_low_priority_completes_once_the_stream_ends():
+    cfg = config(max_num_seqs=2, max_num_batched_tokens=16)
+    scheduler = Scheduler(cfg)
+    starved = make_request("starved", [1, 2, 3], priority=1, max_tokens=8, ignore_eos=True)
+    stream = [make_request(f"chat-{i}", [4, 5, i % 60 + 1], max_tokens=3, ignore_eos=True) for i in range(40)]
+    arrivals = {0: [starved], **{step + 1: [request] for step, request in enumerate(stream)}}
+    preemptions = run(scheduler, arrivals)
+    assert preemptions.get("starved", 0) >= 1 and set(preemptions) == {"starved"}
+    check_outputs(starved, *stream)

@@ -39,6 +39,9 @@ class LineState(enum.StrEnum):
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOW = "24h"  # the only window OpenAI accepts
 COMPLETION_WINDOW_S = 24 * 3600
+# The engine priority of a batch line (lower runs first; interactive requests default to 0): batch work fills
+# the engine's batches without holding interactive requests back.
+LINE_PRIORITY = 1
 INPUT_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 

@@ -82,16 +82,17 @@ class AsyncEngine(EngineFrontend):
     # -- the API -------------------------------------------------------------------------------------
 
     def generate(self, prompt: Prompt, sampling_params: SamplingParams, request_id: str, *,
-                 delta: bool = False) -> AsyncIterator[RequestOutput]:
+                 delta: bool = False, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The outputs of one request: with `delta`, each holds what is new; otherwise the whole answer so
-        far. The last has `finished=True`. The prompt is checked now (raising `ValueError` before anything
-        is queued); closing or cancelling the iteration aborts the request in the core at once."""
+        far. The last has `finished=True`. The prompt and the priority (lower runs first; equal ones first
+        come, first served) are checked now (raising `ValueError` before anything is queued); closing or
+        cancelling the iteration aborts the request in the core at once."""
         self._bind_loop()
         self._check_usable()
-        text, ids = self._prepare(prompt, sampling_params)
+        text, ids = self._prepare(prompt, sampling_params, priority)
         stream = self._streams[request_id] = _Stream()
         try:
-            self._add(request_id, text, ids, sampling_params)
+            self._add(request_id, text, ids, sampling_params, priority)
         except BaseException:
             self._streams.pop(request_id, None)
             self._abort(request_id)

@@ -116,7 +116,7 @@ class EngineCore:
         if self.state is not CoreState.RUNNING:
             return [msg.TokenOutput(add.request_id, None, "abort")]
         request = Request(add.request_id, add.prompt_token_ids, add.sampling_params,
-                          tuple(add.eos_token_ids), add.arrival_time)
+                          tuple(add.eos_token_ids), add.arrival_time, add.priority)
         try:
             self.scheduler.add_request(request)
         except ValueError as e:  # an id in use: the frontend's bug, not a crash of the core

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -19,6 +19,8 @@ from gracelm.engine.frontend import EngineFrontend, FatalHandler, Messages, Prom
 from gracelm.engine.outputs import RequestOutput
 from gracelm.lifecycle.process_end import ProcessEnd
 from gracelm.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class Engine(EngineFrontend):
@@ -41,22 +43,26 @@ class Engine(EngineFrontend):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Runs every prompt (a string or a token-id list, or a list of them) to completion, in order."""
+                 use_tqdm: bool = True, priority: int | Sequence[int] = 0) -> list[RequestOutput]:
+        """Runs every prompt (a string or a token-id list, or a list of them) to completion, in order.
+        `priority` (one for all, or one per prompt): a lower value runs first, as in the server."""
         self._check_usable()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, text or token ids
-        all_params = _params_per_prompt(sampling_params, len(prompts))
-        prepared = [(*self._prepare(prompt, params), params)
-                    for prompt, params in zip(prompts, all_params, strict=True)]
+        params = SamplingParams() if sampling_params is None else sampling_params
+        all_params = _per_prompt(params, SamplingParams, len(prompts))
+        priorities = _per_prompt(priority, int, len(prompts))
+        prepared = [(*self._prepare(prompt, params, rank), params, rank)
+                    for prompt, params, rank in zip(prompts, all_params, priorities, strict=True)]
         return self._run(prepared, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, priority: int | Sequence[int] = 0) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation (a list of messages) or to several."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self._conversation_ids(c) for c in conversations], sampling_params, use_tqdm)
+        return self.generate([self._conversation_ids(c) for c in conversations], sampling_params, use_tqdm,
+                             priority)
 
     def stats(self) -> dict:
         self._check_usable()
@@ -71,14 +77,14 @@ class Engine(EngineFrontend):
                 if isinstance(message, msg.OutputsBatch):
                     self._process(message)
 
-    def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams]],
+    def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams, int]],
              use_tqdm: bool) -> list[RequestOutput]:
         request_ids = [str(next(self._request_ids)) for _ in prepared]
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prepared), desc="generating", disable=not use_tqdm)
         try:
-            for request_id, (text, ids, params) in zip(request_ids, prepared, strict=True):
-                self._add(request_id, text, ids, params)
+            for request_id, (text, ids, params, priority) in zip(request_ids, prepared, strict=True):
+                self._add(request_id, text, ids, params, priority)
             finished = 0
             while finished < len(request_ids):
                 message = self._next_message()
@@ -115,12 +121,10 @@ class Engine(EngineFrontend):
         return processed.deltas
 
 
-def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
-                       count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
-    return list(params)
+def _per_prompt(value: T | Sequence[T], kind: type[T], count: int) -> list[T]:
+    """One value for each prompt: the same for all, or the list given (one a prompt)."""
+    if isinstance(value, kind):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"got {len(value)} {kind.__name__} values for {count} prompts")
+    return list(value)

@@ -25,7 +25,7 @@ from gracelm.config import EngineConfig, ModelConfig
 from gracelm.engine.core_client import EngineCoreClient
 from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.output_processor import OpenRequest, OutputProcessor
-from gracelm.engine.request import check_prompt
+from gracelm.engine.request import check_priority, check_prompt
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.process_end import ProcessEnd
 from gracelm.model.tokenizer import Tokenizer
@@ -113,10 +113,12 @@ class EngineFrontend:
         """The instance's runtime directory (ipc sockets, heartbeat; the server's metrics files)."""
         return self._client.runtime_dir.path
 
-    def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenizes and checks a prompt; raises `ValueError` before anything is queued."""
+    def _prepare(self, prompt: Prompt, params: SamplingParams, priority: int) -> tuple[str | None, list[int]]:
+        """Tokenizes and checks a prompt and its request's priority; raises `ValueError` before anything is
+        queued."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        check_priority(priority)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -145,8 +147,9 @@ class EngineFrontend:
     def _conversation_ids(self, messages: Messages) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
-    def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
-        for add in self._processor.add_request(request_id, text, ids, params):
+    def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+             priority: int) -> None:
+        for add in self._processor.add_request(request_id, text, ids, params, priority):
             self._client.send(add)
         self._update_busy()
 

@@ -31,6 +31,7 @@ class AddRequest(msgspec.Struct, tag=True):
     sampling_params: SamplingParams
     eos_token_ids: list[int]
     arrival_time: float
+    priority: int = 0  # lower runs first (`request.Request.priority`)
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -116,8 +116,8 @@ class OutputProcessor:
         return bool(self._by_core_id)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[msg.AddRequest]:
-        """Tracks a request; returns the core requests to send for it."""
+                    params: SamplingParams, priority: int = 0) -> list[msg.AddRequest]:
+        """Tracks a request; returns the core requests to send for it, each with the request's priority."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
@@ -138,7 +138,7 @@ class OutputProcessor:
             self._by_core_id[core_id] = (state, completion)
             core_params = msgspec.structs.replace(params, n=1, seed=params.choice_seed(index))
             adds.append(msg.AddRequest(core_id, prompt_token_ids, core_params,
-                                       list(self.tokenizer.eos_token_ids), arrival))
+                                       list(self.tokenizer.eos_token_ids), arrival, priority))
         self._requests[request_id] = state
         return adds
 

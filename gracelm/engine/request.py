@@ -49,6 +49,9 @@ class Request:
     A request that asks for prompt logprobs gathers them in `prompt_logprobs` as its prefill chunks compute
     them, `num_prompt_logprobs` positions so far (a recompute after a preemption does not compute them
     again), until its first token carries them out; the field is None before and after.
+
+    `priority`: a lower value runs first (vLLM's convention); requests of equal priority run first come,
+    first served, by `arrival_order`, which the scheduler sets when it queues the request.
     """
 
     request_id: str
@@ -56,6 +59,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -64,6 +68,7 @@ class Request:
     stop_reason: int | None = None  # the stop_token_ids entry that ended the request; None for eos
     prompt_logprobs: PromptLogprobs | None = None
     num_prompt_logprobs: int = 0
+    arrival_order: int = 0
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +125,17 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+
+# The priorities a request may have: a signed 32-bit integer, wide enough for a deadline in epoch seconds.
+MIN_PRIORITY, MAX_PRIORITY = -2**31, 2**31 - 1
+
+
+def check_priority(priority: int) -> None:
+    """Raises `ValueError` for a priority outside [MIN_PRIORITY, MAX_PRIORITY] or not an integer."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not (
+            MIN_PRIORITY <= priority <= MAX_PRIORITY):
+        raise ValueError(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
 
 
 class PromptError(ValueError):

@@ -1,9 +1,21 @@
 """Iteration-level continuous batching: each step, which requests run and how many of their tokens.
 
-Invariant behind preemption and FCFS: `running` followed by `waiting` lists every unfinished request in
-arrival order. Admission takes the head of `waiting` (strictly first come, first served), preemption
-moves the tail of `running` back to the head of `waiting`, so the request preempted is always the most
-recently arrived running one, and a preempted request resumes before anything that arrived after it.
+Order: a request's place is its key (priority, arrival order): a lower priority value first, then first
+come, first served. `running` and `waiting` are each kept in key order, and the invariant behind admission
+and preemption is that, within one priority, every running request arrived before every waiting one.
+Each step walks both lists merged in key order while the token budget lasts, so a request of higher
+priority gets its tokens (decode or prefill chunk) before any of lower priority, whether it runs or waits:
+- a running request gets its next tokens; when blocks run out it preempts the tail of `running` (the
+  lowest priority, latest arrived, never one scheduled earlier in the step), itself last;
+- the waiting head is admitted when a seat (`max_num_seqs`) and blocks are free, or can be freed by
+  preempting running requests of strictly lower priority (tail first); never one of equal or higher
+  priority. A head that cannot be admitted stops admission for the step: nobody overtakes it;
+- a preempted request goes back into `waiting` at its key (recomputed on resumption), so among its priority
+  it resumes before anything that arrived after it. After a preemption the cache is short: in that step
+  only requests of strictly higher priority than every victim are admitted (a victim let back in would be
+  preempted again).
+With one priority this is plain FCFS: running requests first in arrival order, then the waiting head, and
+the request preempted is always the most recently arrived running one.
 
 Containment: a request whose sampling failed (a `SamplingFault` in place of its token) or whose own update
 raises (its stop checks) finishes with `finish_reason="error"`, its blocks freed; the other requests of the
@@ -12,8 +24,9 @@ step are updated as usual. The KV-cache bookkeeping is not guarded: a fault ther
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -130,13 +143,19 @@ class RequestUpdate:
         return self.sampled.token_id if self.sampled is not None else None
 
 
+def _key(request: Request) -> tuple[int, int]:
+    """A request's place in the scheduler's order: priority (lower first), then arrival."""
+    return request.priority, request.arrival_order
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # in key order (see the module's docstring), as is `running`
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._arrivals = itertools.count()
 
     @property
     def num_running(self) -> int:
@@ -150,44 +169,42 @@ class Scheduler:
         return bool(self._requests)
 
     def add_request(self, request: Request) -> None:
-        """Queues a request last. Its prompt was checked by the frontend (`request.check_prompt`); a request
-        whose id is in use is refused, queueing nothing."""
+        """Queues a request at its place: after every request of its priority or higher. Its prompt was
+        checked by the frontend (`request.check_prompt`); a request whose id is in use is refused, queueing
+        nothing."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
+        request.arrival_order = next(self._arrivals)
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=_key)
 
     def schedule(self) -> SchedulerOutput:
-        """Picks this step's work: running requests first, in arrival order (a decode token, or the next
-        prefill chunk), preempting when blocks run out; then waiting requests while budget, seats and
-        blocks last."""
+        """Picks this step's work: running and waiting requests together in key order while the budget
+        lasts; running ones get their next tokens (a decode token or the next prefill chunk), waiting ones
+        are admitted while seats and blocks last (see the module's docstring for preemption)."""
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, output):
-                break  # it was the tail of `running` and preempted itself: nothing after it is left
+        num_visited = 0  # running[:num_visited] got their tokens this step (admitted ones included)
+        admitting = True
+        while budget > 0:
+            head = self.waiting[0] if admitting and self.waiting else None
+            following = self.running[num_visited] if num_visited < len(self.running) else None
+            if head is not None and (following is None or _key(head) < _key(following)):
+                num_new = self._admit(head, budget, output)
+                if num_new is None:
+                    admitting = False  # nobody overtakes the head
+                    continue
+                request = head
+            elif following is not None:
+                request = following
+                num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+                if not self._allocate_or_preempt(request, num_new, output):
+                    break  # it was the tail of `running` and preempted itself: nothing after it is left
+            else:
+                break
             budget -= self._add(output, request, num_new)
-            index += 1
-        # After a preemption the cache is short: admitting more now would only preempt again.
-        while (self.waiting and budget > 0 and not output.preempted_request_ids
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            # Cached blocks have no logits: a request still gathering prompt logprobs computes its prompt.
-            computed_blocks, num_cached = [], 0
-            if not request.gathers_prompt_logprobs:
-                computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            num_new = self._chunk(request.num_tokens - num_cached, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            self.running.append(request)
-            budget -= self._add(output, request, num_new)
+            num_visited += 1
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken | SamplingFault],
@@ -252,6 +269,9 @@ class Scheduler:
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
+            # Requests of priority > 0 ("background": batch lines, for instance).
+            "num_running_background": sum(1 for request in self.running if request.priority > 0),
+            "num_waiting_background": sum(1 for request in self.waiting if request.priority > 0),
             "kv_blocks_total": kv.num_total_blocks,
             "kv_blocks_free": kv.num_free_blocks,
             "kv_usage": kv.usage,
@@ -268,19 +288,58 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Reserves blocks for a running request, preempting from the tail of `running` until they fit.
 
-        Returns False when the request had to preempt itself. The victims come after it in `running`,
-        so none of them has been scheduled in this step yet.
+        Returns False when the request had to preempt itself. The victims come after it in `running`
+        (key order), so none of them has been scheduled in this step yet.
         """
         while not self.kv_cache.allocate_slots(request, num_new):
-            victim = self.running.pop()
-            self.kv_cache.free(victim)
-            victim.num_computed_tokens = 0  # recomputed on resumption, output tokens included
-            victim.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(victim)
-            output.preempted_request_ids.append(victim.request_id)
+            victim = self.running[-1]
+            self._preempt(victim, output)
             if victim is request:
                 return False
         return True
+
+    def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> int | None:
+        """Moves the head of `waiting` to `running` with blocks for its first chunk, preempting running
+        requests of strictly lower priority when seats or blocks are short; returns the chunk's size, or
+        None when it cannot be admitted in this step. The victims stay preempted then: they come after it
+        in key order, and would wait behind it anyway."""
+        victims = (self._requests[request_id] for request_id in output.preempted_request_ids)
+        if any(victim.priority <= request.priority for victim in victims):
+            return None  # the cache is short (see the module's docstring)
+        while len(self.running) >= self.config.max_num_seqs:
+            if not self._preempt_lower(request, output):
+                return None
+        # Cached blocks have no logits: a request still gathering prompt logprobs computes its prompt.
+        computed_blocks, num_cached = [], 0
+        if not request.gathers_prompt_logprobs:
+            computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+        num_new = self._chunk(request.num_tokens - num_cached, budget)
+        # Preempting only frees blocks, so the cached prefix found above stays valid meanwhile.
+        while not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+            if not self._preempt_lower(request, output):
+                return None
+        self.waiting.pop(0)  # still the head: the victims queued behind it
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        bisect.insort(self.running, request, key=_key)
+        return num_new
+
+    def _preempt_lower(self, request: Request, output: SchedulerOutput) -> bool:
+        """Preempts the tail of `running` if its priority is strictly lower than the request's."""
+        if not self.running or self.running[-1].priority <= request.priority:
+            return False
+        self._preempt(self.running[-1], output)
+        return True
+
+    def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
+        """Sends the tail of `running` back to `waiting`, at its place, its blocks freed."""
+        assert self.running[-1] is victim
+        self.running.pop()
+        self.kv_cache.free(victim)
+        victim.num_computed_tokens = 0  # recomputed on resumption, output tokens included
+        victim.status = RequestStatus.PREEMPTED
+        bisect.insort(self.waiting, victim, key=_key)
+        output.preempted_request_ids.append(victim.request_id)
 
     @staticmethod
     def _add(output: SchedulerOutput, request: Request, num_new: int) -> int:

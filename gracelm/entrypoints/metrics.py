@@ -71,6 +71,10 @@ class ServerMetrics:
 
         self.running = gauge("num_requests_running", "Requests the engine is running.", vllm=True)
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the engine's queue.", vllm=True)
+        self.running_background = gauge("num_requests_running_background", "Requests of priority > 0 "
+                                        "(background, such as batch lines) the engine is running.")
+        self.waiting_background = gauge("num_requests_waiting_background", "Requests of priority > 0 "
+                                        "waiting in the engine's queue.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", vllm=True)
         self.kv_total = gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.")
         self.kv_free = gauge("kv_cache_blocks_free", "KV-cache blocks free (cached ones included).")
@@ -146,6 +150,8 @@ class ServerMetrics:
     def set_engine_stats(self, stats: dict) -> None:
         self.running.labels(**self._label).set(stats["num_running"])
         self.waiting.labels(**self._label).set(stats["num_waiting"])
+        self.running_background.labels(**self._label).set(stats.get("num_running_background", 0))
+        self.waiting_background.labels(**self._label).set(stats.get("num_waiting_background", 0))
         self.kv_usage.labels(**self._label).set(stats["kv_usage"])
         self.kv_total.labels(**self._label).set(stats["kv_blocks_total"])
         self.kv_free.labels(**self._label).set(stats["kv_blocks_free"])

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from gracelm.engine.request import MAX_PRIORITY, MIN_PRIORITY
+
 
 class ErrorInfo(BaseModel):
     message: str
@@ -75,7 +77,7 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     echo: bool = False
     request_id: str | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)  # lower runs first (vLLM's extra)
     use_beam_search: bool = False
     length_penalty: float = 1.0
     allowed_token_ids: list[int] | None = None

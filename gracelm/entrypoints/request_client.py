@@ -3,7 +3,8 @@ need to know it: what the request is named, how it is admitted, and when its sen
 answer's request is then aborted). An HTTP client (`HttpClient`) names it by its `X-Request-Id` header or
 the body's `request_id`, is admitted by the server's state and leaves when its connection closes; a batch
 line (`BatchLineClient`) is named by the line, was admitted by the batch runner before it started (the
-runner holds that admission until the line's result is durable) and never leaves.
+runner holds that admission until the line's result is durable), runs at a lower priority than interactive
+requests (`LINE_PRIORITY` at least) and never leaves.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 
 from fastapi import Request
 
+from gracelm.batch.objects import LINE_PRIORITY
 from gracelm.entrypoints import request_ids
 from gracelm.lifecycle.server_state import ServerState
 
@@ -34,6 +36,10 @@ class RequestClient(Protocol):
         """The request's admission (raises `AdmissionRefused`)."""
         ...
 
+    def priority(self, requested: int) -> int:
+        """The engine priority the request runs at (lower first), given the one its body asks for."""
+        ...
+
     async def disconnected(self) -> None:
         """Returns once the sender has gone (never, for one that cannot go)."""
         ...
@@ -50,6 +56,9 @@ class HttpClient:
 
     def admit(self, state: ServerState) -> HeldAdmission:
         return state.admit()
+
+    def priority(self, requested: int) -> int:
+        return requested
 
     async def disconnected(self) -> None:
         # The body has been read already, so the next message the server gives us is the disconnect.
@@ -69,6 +78,10 @@ class BatchLineClient:
 
     def admit(self, state: ServerState) -> HeldAdmission:
         return _RunnersAdmission()
+
+    def priority(self, requested: int) -> int:
+        # Never ahead of an interactive request at the default 0; a line may ask to run later still.
+        return max(requested, LINE_PRIORITY)
 
     async def disconnected(self) -> None:
         await asyncio.get_running_loop().create_future()  # a batch line has no connection to lose

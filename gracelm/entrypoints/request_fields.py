@@ -54,7 +54,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "use_beam_search": Unsupported(_one_of(False), "beam search is not supported"),
     "length_penalty": Unsupported(_one_of(1.0), "length_penalty applies to beam search, which is not "
                                                 "supported"),
-    "priority": Unsupported(_one_of(0), "priority scheduling is not supported (first come, first served)"),
     "mm_processor_kwargs": Unsupported(_unset, "multimodal inputs are not supported"),
     "logits_processors": Unsupported(_unset, "custom logits processors are not supported"),
     "return_token_ids": Unsupported(_one_of(False), "return_token_ids is not supported"),

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.outputs import CompletionOutput, RequestOutput
-from gracelm.engine.request import PromptError, context_overflow_message
+from gracelm.engine.request import PromptError, check_priority, context_overflow_message
 from gracelm.entrypoints import prompt_batch
 from gracelm.entrypoints.api_errors import APIError, from_value_error
 from gracelm.entrypoints.constraint_fields import constraint_fields
@@ -100,21 +100,26 @@ class ServingBase:
                            param="max_tokens", code="context_length_exceeded")
 
     async def start(self, client: RequestClient, prompts: list[list[int]], params: SamplingParams,
-                    request_id: str, prompt_param: str) -> Run:
+                    request_id: str, prompt_param: str, *, priority: int = 0) -> Run:
         """Admits the request (as `client` is admitted) and starts each of its prompts in the engine
         (several only for a batch of completions prompts: one engine request each, `prompt_batch.py`), which
-        checks them (a 400 naming `prompt_param`). Its deltas come with metrics; closing them aborts the
-        request. The admission is released when the answer ends (`sse`, `final_output`); it is marked
-        started at the first output."""
+        checks them (a 400 naming `prompt_param`), at `priority` (lower runs first; a 400 naming `priority`
+        outside its range). Its deltas come with metrics; closing them aborts the request. The admission is
+        released when the answer ends (`sse`, `final_output`); it is marked started at the first output."""
+        try:
+            check_priority(priority)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="priority", code="invalid_value") from None
         admission = client.admit(self.state)
         if self.served.log_requests:
-            logger.info("request %s: %s prompt tokens, %s", request_id,
-                        "+".join(str(len(p)) for p in prompts), _params_summary(params))
+            logger.info("request %s: %s prompt tokens, %s%s", request_id,
+                        "+".join(str(len(p)) for p in prompts), _params_summary(params),
+                        f", priority {priority}" if priority else "")
         engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = []
         try:
             for engine_id, ids in zip(engine_ids, prompts, strict=True):
-                deltas = self.engine.generate(ids, params, engine_id, delta=True)
+                deltas = self.engine.generate(ids, params, engine_id, delta=True, priority=priority)
                 streams.append(self._tracked(deltas, len(ids), params, admission))
         except BaseException as exc:
             admission.release()

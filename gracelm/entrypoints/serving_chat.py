@@ -55,7 +55,8 @@ class ServingChat(ServingBase):
                                             tools.tools)
         self.check_room(prompt_ids, max_tokens)
         request_id = client.request_id(req.request_id, "chatcmpl")
-        run = await self.start(client, [prompt_ids], params, request_id, "messages")
+        run = await self.start(client, [prompt_ids], params, request_id, "messages",
+                               priority=client.priority(req.priority))
         echo = chat_prompt.echo_text(req)
         # OpenAI names the tier that served the request when one was asked for: here, always the default.
         tier = "default" if req.service_tier is not None else None

@@ -45,7 +45,8 @@ class ServingCompletion(ServingBase):
         for ids in prompts:
             self.check_room(ids, req.max_tokens)
         request_id = client.request_id(req.request_id, "cmpl")
-        run = await self.start(client, prompts, params, request_id, "prompt")
+        run = await self.start(client, prompts, params, request_id, "prompt",
+                               priority=client.priority(req.priority))
         echoes = [self.engine.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
                   for ids in prompts]
         num_prompt_tokens = sum(len(ids) for ids in prompts)
