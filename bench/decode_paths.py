@@ -125,6 +125,9 @@ def bench_attention(args: argparse.Namespace) -> None:
 
 
 def attention_case(flex: Callable, batch: int, context: int, args: argparse.Namespace) -> str:
+    # Every shape is its own compile: without a reset, dynamo's recompile limit (8) would send the ninth
+    # case to flex_attention's eager reference, silently.
+    torch._dynamo.reset()
     q, cache, fb = decode_case(batch, context, torch.bfloat16)
     group = AttentionMetadata.build(fb, cache).decode
     mask = paged_block_mask(fb.block_tables, torch.tensor(fb.seq_lens), cache.shape[2])
