@@ -300,15 +300,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:
         p.error(f"unknown dtype {', '.join(unknown)}; choose among {', '.join(DTYPES)}")
-    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.batches = int_list(args.batches)
     return args
+
+
+def int_list(text: str) -> list[int]:
+    """A comma-separated option's integers."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def prepare_torch(threads: int | None) -> None:
+    """The thread count (if given) and a fixed seed, before anything is measured."""
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    prepare_torch(args.threads)
     dtypes = sorted({"float32", "bfloat16", *args.dtypes})
     before = measure_limits(dtypes, max(5, args.repeats))
     rows = [row for dtype in args.dtypes for row in bench_dtype(dtype, args)]
