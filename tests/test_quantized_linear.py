@@ -23,7 +23,7 @@ from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.gguf_int4 import int4_blocks
-from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels
+from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.model_files import ModelLoadError
 from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Linear, int4_kernel_fits, layout_id
@@ -34,7 +34,7 @@ from tests.test_gguf import VOCAB, gguf_layout, hf_model, write_gguf
 INT4_OP = "aten::_weight_int4pack_mm_for_cpu"
 # (rows, columns): rows that fill the kernel's 64-row blocks, rows it pads (to 16) and rows it does not.
 SHAPES = [(128, 576), (40, 96), (200, 64), (48, 32)]
-ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 33, 64]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]  # across INT4_MAX_ROWS
 BF16_UNIT_ROUNDOFF = 2.0**-8
 
 needs_native_bf16 = pytest.mark.skipif(not int4_kernel_fits(torch.bfloat16),
@@ -250,8 +250,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils a
 
 
 def forced_logits(loaded: LoadedModel, tokens: list[int], prompt_length: int) -> torch.Tensor:
-    """Logits of each position from the prompt's last on, the prompt in one step (dense: many rows), then
-    one token per step (one row: int4 where the model has it)."""
+    """Logits of each position from the prompt's last on: the prompt in one step, then one token per step
+    (one row: int4 where the model has it)."""
     block = 16
     blocks = -(-len(tokens) // block)
     caches = allocate_kv_cache(loaded.config, blocks, block, loaded.dtype)
@@ -267,12 +267,6 @@ def forced_logits(loaded: LoadedModel, tokens: list[int], prompt_length: int) ->
     logits = [step(0, tokens[:prompt_length])]
     logits += [step(i, [tokens[i]]) for i in range(prompt_length, len(tokens) - 1)]
     return torch.stack(logits)
-
-
-def set_int4_max_rows(model: torch.nn.Module, rows: int) -> None:
-    for module in model.modules():
-        if isinstance(module, FrozenLinear):
-            module.int4_max_rows = rows
 
 
 @needs_native_bf16

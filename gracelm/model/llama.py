@@ -13,7 +13,6 @@ parts' row counts (`output_sizes`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import torch
@@ -25,8 +24,6 @@ from gracelm.model.attention import AttentionMetadata, paged_attention
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Choice, Int4Linear
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 
@@ -100,6 +97,15 @@ def freeze_linears(module: nn.Module, int4: Int4Choice | None = None) -> None:
             setattr(module, name, FrozenLinear.of([child], int4))
         else:
             freeze_linears(child, int4)
+
+
+def set_int4_max_rows(module: nn.Module, rows: int) -> None:
+    """Sets `int4_max_rows` of every frozen linear below `module`: 0 for dense weights at every batch size,
+    `sys.maxsize` for the int4 form at every batch size (where a linear has one), `INT4_MAX_ROWS` as
+    frozen."""
+    for linear in module.modules():
+        if isinstance(linear, FrozenLinear):
+            linear.int4_max_rows = rows
 
 
 def describe_linear_kernels(module: nn.Module) -> str:
@@ -257,10 +263,10 @@ class LlamaForCausalLM(nn.Module):
     def freeze(self, int4: Mapping[str, Int4Linear] | None = None,
                int4_max_rows: int = INT4_MAX_ROWS) -> None:
         """Readies the loaded weights for fast inference: the decoder's (see `LlamaModel.freeze`) and the
-        logits projection's, with the 4-bit forms `int4` gives by weight name (`gguf_loader.GGUFModel.
-        int4_weights`) for steps of at most `int4_max_rows` rows. Their weights leave the state dict: load
-        before, never after. (A tensor-parallel wrapper, which has its own logits head, shards first and then
-        calls `LlamaModel.freeze`.)"""
+        logits projection's, with the 4-bit forms `int4` gives by weight name (a GGUF file's, as
+        `LoadedModel.int4` holds them) for steps of at most `int4_max_rows` rows. Their weights leave the
+        state dict: load before, never after. (A tensor-parallel wrapper, which has its own logits head,
+        shards first and then calls `LlamaModel.freeze`.)"""
         choice = Int4Choice.of(self, int4, int4_max_rows) if int4 else None
         self.model.freeze(choice)
         # Tied: the embedding keeps its plain matrix for lookups, the logits get their own (packed) copy.

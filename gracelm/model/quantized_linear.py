@@ -16,12 +16,14 @@ weights by 1.4-1.7x what rounding the dequantized weights to bfloat16 does (the 
 about 2 % of the file's own 4-bit quantisation error (Frobenius norms, the default model's Q4_1 tensors).
 
 Few rows only: the kernel computes 4 rows at a time and reads (and dequantizes) the whole weight for each
-4 rows, while oneDNN's bfloat16 matmul costs about the same from 1 to 16 rows. A decode step's linears
-and logits head (default model, weights streamed from memory as in a real step, bfloat16 scales), the
-int4 time over the bfloat16 time: 0.36-0.55 for 1-4 rows, 0.86-1.0 for 5-8, 1.5 at 12, 3.0 at 32. Hence
-`INT4_MAX_ROWS`, a constant of the kernels' structure rather than a start-up measurement (which would cost
-start-up time and, on a shared machine, measure the neighbours); `bench/forward.py --int4` measures the
-crossover again on another machine.
+4 rows, while oneDNN's bfloat16 matmul costs about the same from 1 to 16 rows: two passes over a quarter
+of the bytes still beat one dense pass, a third does not. Whole decode steps of the default model
+(`bench/forward.py --int4`, context 256, medians of 15 interleaved runs on this project's loaded
+machine, 2 threads and 1), speed with int4 over speed with dense bfloat16: 1.65-1.76 at 1 row, 1.43-1.45
+at 4, 1.13-1.19 at 5, 1.10-1.11 at 8, 0.98 at 9, 0.92-0.96 at 12, 0.63-0.85 at 16. Hence
+`INT4_MAX_ROWS` = 8, a constant of the kernels' structure rather than a start-up measurement (which would
+cost start-up time and, on a shared machine, measure the neighbours); `bench/forward.py --int4` measures
+the crossover again on another kind of machine.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import nn
 # Inputs per scale and zero: GGUF's Q4_0/Q4_1 block size.
 GROUP_SIZE = 32
 # Steps of at most this many rows use the int4 kernel, larger ones the dense weight (see above).
-INT4_MAX_ROWS = 4
+INT4_MAX_ROWS = 8
 # The kernel needs whole multiples of 16 rows; a weight of another height is padded with zero rows.
 _ROW_MULTIPLE = 16
 # Rows per block of the packed layout at most (AVX-512): stacked parts other than the last must fill blocks.
