@@ -1,10 +1,11 @@
 """4-bit weights for steps of few rows (`model/quantized_linear.py`, `model/gguf_int4.py`): GGUF's Q4_0 and
 Q4_1 blocks read into the int4 kernel's form hold gguf's own dequantized values exactly; the kernel's matmul
 equals the dequantized one up to float32 rounding with float32 scales, and stays within the rounding of
-bfloat16 scales as served; `FrozenLinear` picks the kernel by the number of rows (seen in the profiler) and
-can be forced to one; the form is cached; a 4-bit GGUF model serves few rows through it (an engine says so
-in its log), float32 and `--quantization none` keep dense weights; on the default model the greedy tokens
-agree with the dense bfloat16 path where the dense logits do not nearly tie."""
+bfloat16 scales as served, each row computed as if alone; `FrozenLinear` picks the kernel by the number of
+rows (seen in the profiler) and can be forced to one; the form is cached; a 4-bit GGUF model serves few
+rows through it (an engine says so in its log), float32 and `--quantization none` keep dense weights; on
+the default model the greedy tokens agree with the dense bfloat16 path where the dense logits do not nearly
+tie."""
 
 from __future__ import annotations
 
@@ -100,6 +101,18 @@ def test_bfloat16_scales_err_only_by_their_rounding(qtype: Q, shape: tuple[int, 
                  + 1e-5 * (x.double().abs() @ reference.double().abs().T))
         error = (linear(x).double() - expected).abs()
         assert (error <= bound).all(), f"{rows} rows: {(error - bound).max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_int4_kernel_computes_each_row_as_if_alone(dtype: torch.dtype) -> None:
+    """Rows do not interact (what a batch-invariant mode forcing int4 at every size relies on): each row
+    of a call equals the call of that row alone, bit for bit."""
+    blocks, _ = quantized((200, 576), Q.Q4_1)
+    linear = int4_form(blocks, Q.Q4_1).to_dtype(dtype)
+    x = activations(64, 576, dtype)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(64)])
+    for rows in ROWS:
+        assert torch.equal(linear(x[:rows]), alone[:rows]), rows
 
 
 def kernels_run(linear: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, set[str]]:
