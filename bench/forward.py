@@ -39,7 +39,7 @@ import torch
 from gracelm.config import ModelConfig
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.llama import set_int4_max_rows
+from gracelm.model.llama import FrozenLinear, set_int4_max_rows
 from gracelm.model.loader import DTYPES, LoadedModel, load_model
 from gracelm.model.quantized_linear import INT4_MAX_ROWS
 
@@ -129,6 +129,17 @@ def linear_params(config: ModelConfig) -> int:
     q = config.num_attention_heads * config.head_dim
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
     return per_layer * config.num_hidden_layers + config.vocab_size * h
+
+
+def weight_bytes(loaded: LoadedModel, rows: int) -> int:
+    """Bytes of weights a step of `rows` rows reads: each frozen linear's int4 form where it serves that many
+    rows, else its dense weight; every matmul's dense weight in a model not frozen."""
+    frozen = [m for m in loaded.model.modules() if isinstance(m, FrozenLinear)]
+    if not frozen:
+        return linear_params(loaded.config) * loaded.dtype.itemsize
+    used = [(m.int4.packed, m.int4.scales_zeros) if m.int4 is not None and rows <= m.int4_max_rows
+            else (m.weight if m.packed is None else m.packed,) for m in frozen]
+    return sum(t.numel() * t.element_size() for tensors in used for t in tensors)
 
 
 def attention_flops(config: ModelConfig, context: float) -> float:
@@ -250,7 +261,6 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
     loaded = load_model(None, dtype=dtype)
     config = loaded.config
     kv_dtype = DTYPES[args.kv_dtype] if args.kv_dtype else loaded.dtype
-    weight_bytes = linear_params(config) * DTYPES[dtype].itemsize
     hf = transformers_model(loaded) if args.hf else None  # built from the HF-named weights, before freezing
     if args.freeze:
         loaded.freeze()
@@ -262,7 +272,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
             fns.append(HFDecode(hf, config, batch, args.context, loaded.dtype))
         times = interleaved_ms(fns, args.repeats)
         flops = batch * (2.0 * linear_params(config) + attention_flops(config, args.context))
-        read = weight_bytes + kv_bytes(config, batch * args.context, kv_dtype.itemsize)
+        read = weight_bytes(loaded, batch) + kv_bytes(config, batch * args.context, kv_dtype.itemsize)
         rows.append(Row("decode", dtype, batch, batch, times[0], times[1] if hf else None, flops, read))
         del ours, fns
     if args.prefill:
@@ -274,8 +284,8 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
         lm_head = config.vocab_size * config.hidden_size
         flops = args.prefill * (2.0 * (linear_params(config) - lm_head)
                                 + attention_flops(config, (args.prefill + 1) / 2)) + 2.0 * lm_head
-        rows.append(Row("prefill", dtype, 1, args.prefill, times[0], times[1] if hf else None, flops,
-                        weight_bytes + kv_bytes(config, args.prefill, kv_dtype.itemsize)))
+        read = weight_bytes(loaded, args.prefill) + kv_bytes(config, args.prefill, kv_dtype.itemsize)
+        rows.append(Row("prefill", dtype, 1, args.prefill, times[0], times[1] if hf else None, flops, read))
     return rows
 
 
