@@ -8,7 +8,7 @@ in a blocked layout of its own (`_convert_weight_to_int4pack_for_cpu`: blocks of
 with AVX2; `layout_id` tells layouts apart, since a cached copy must match the running kernel), and s and z
 in the dtype of the activations.
 
-Scales in bfloat16: the kernel is vectorised for bfloat16 activations only; float32 activations and scales
+Scales in bfloat16: on x86 the kernel is vectorised for bfloat16 activations only; float32 ones and scales
 (which would hold the file's float16 scales exactly) run its scalar fallback, measured 17x slower than
 bfloat16 on this project's machine and 6x slower than the dense bfloat16 matmul. Scales and zeros are kept
 in float32 (exact) until `FrozenLinear` casts them to its dtype. Rounded to bfloat16 they change the
