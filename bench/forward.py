@@ -3,8 +3,11 @@
     .venv/bin/python bench/forward.py                         # float32 and bfloat16, batches 1, 16, 64
     .venv/bin/python bench/forward.py --quick                 # fewer repetitions, bfloat16 only
     .venv/bin/python bench/forward.py --dtypes bfloat16 --batches 1,64 --json out.json
+    .venv/bin/python bench/forward.py --int4                  # decode: dense bf16 vs int4 vs the dispatch
 
-On the default model (SmolLM2-135M-Instruct), frozen as the engine runs it (`model.freeze()`): decode steps
+On the default model (SmolLM2-135M-Instruct), frozen as the engine runs it (`LoadedModel.freeze()`: in
+bfloat16, its 4-bit matrices serve steps of few rows through the int4 kernel, see
+`gracelm/model/quantized_linear.py`): decode steps
 of `--batches` sequences at `--context` tokens of context each, and one `--prefill`-token prompt, in tokens
 per second. Beside each figure: transformers on the same dequantized weights (its `LlamaForCausalLM`,
 decoding through a `DynamicCache` of the same length), and the machine's limits measured in the same run
@@ -13,6 +16,11 @@ utilisation, and read bandwidth (a sum over a tensor far larger than the caches)
 utilisation of a decode step (weights + KV read per step, over bandwidth, against the step time).
 The machine may be shared and noisy: every figure is the median of several repetitions after a warm-up,
 and ours and transformers' alternate within each repetition, so that a busy spell slows both alike.
+
+`--int4` compares the linear kernels instead, on the same frozen bfloat16 model: decode steps with dense
+bfloat16 weights at every batch size, with the int4 form at every batch size, and with the dispatch the
+engine uses (int4 up to `INT4_MAX_ROWS` rows), the three alternating within each repetition; read the
+ratios to dense, which is where the crossover is.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import inspect
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,7 +39,9 @@ import torch
 from gracelm.config import ModelConfig
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.llama import FrozenLinear, set_int4_max_rows
 from gracelm.model.loader import DTYPES, LoadedModel, load_model
+from gracelm.model.quantized_linear import INT4_MAX_ROWS
 
 BLOCK_SIZE = 16
 
@@ -54,6 +65,16 @@ class Row:
 
     def tokens_per_s(self, ms: float | None) -> float | None:
         return None if ms is None else self.tokens / ms * 1e3
+
+
+# The linear kernels `--int4` compares: the `int4_max_rows` of each.
+KERNEL_CHOICES = {"dense bf16": 0, "int4": sys.maxsize, "dispatch": INT4_MAX_ROWS}
+
+
+@dataclass
+class KernelRow:
+    batch: int
+    ms: dict[str, float]  # kernel choice -> median ms of a decode step
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -108,6 +129,17 @@ def linear_params(config: ModelConfig) -> int:
     q = config.num_attention_heads * config.head_dim
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
     return per_layer * config.num_hidden_layers + config.vocab_size * h
+
+
+def weight_bytes(loaded: LoadedModel, rows: int) -> int:
+    """Bytes of weights a step of `rows` rows reads: each frozen linear's int4 form where it serves that many
+    rows, else its dense weight; every matmul's dense weight in a model not frozen."""
+    frozen = [m for m in loaded.model.modules() if isinstance(m, FrozenLinear)]
+    if not frozen:
+        return linear_params(loaded.config) * loaded.dtype.itemsize
+    used = [(m.int4.packed, m.int4.scales_zeros) if m.int4 is not None and rows <= m.int4_max_rows
+            else (m.weight if m.packed is None else m.packed,) for m in frozen]
+    return sum(t.numel() * t.element_size() for tensors in used for t in tensors)
 
 
 def attention_flops(config: ModelConfig, context: float) -> float:
@@ -229,10 +261,9 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
     loaded = load_model(None, dtype=dtype)
     config = loaded.config
     kv_dtype = DTYPES[args.kv_dtype] if args.kv_dtype else loaded.dtype
-    weight_bytes = linear_params(config) * DTYPES[dtype].itemsize
     hf = transformers_model(loaded) if args.hf else None  # built from the HF-named weights, before freezing
     if args.freeze:
-        loaded.model.freeze()
+        loaded.freeze()
     rows = []
     for batch in args.batches:
         ours = OursDecode(loaded, batch, args.context, kv_dtype)
@@ -241,7 +272,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
             fns.append(HFDecode(hf, config, batch, args.context, loaded.dtype))
         times = interleaved_ms(fns, args.repeats)
         flops = batch * (2.0 * linear_params(config) + attention_flops(config, args.context))
-        read = weight_bytes + kv_bytes(config, batch * args.context, kv_dtype.itemsize)
+        read = weight_bytes(loaded, batch) + kv_bytes(config, batch * args.context, kv_dtype.itemsize)
         rows.append(Row("decode", dtype, batch, batch, times[0], times[1] if hf else None, flops, read))
         del ours, fns
     if args.prefill:
@@ -253,9 +284,43 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
         lm_head = config.vocab_size * config.hidden_size
         flops = args.prefill * (2.0 * (linear_params(config) - lm_head)
                                 + attention_flops(config, (args.prefill + 1) / 2)) + 2.0 * lm_head
-        rows.append(Row("prefill", dtype, 1, args.prefill, times[0], times[1] if hf else None, flops,
-                        weight_bytes + kv_bytes(config, args.prefill, kv_dtype.itemsize)))
+        read = weight_bytes(loaded, args.prefill) + kv_bytes(config, args.prefill, kv_dtype.itemsize)
+        rows.append(Row("prefill", dtype, 1, args.prefill, times[0], times[1] if hf else None, flops, read))
     return rows
+
+
+def bench_kernels(args: argparse.Namespace) -> list[KernelRow]:
+    loaded = load_model(None, dtype="bfloat16")
+    if not loaded.int4:
+        sys.exit("--int4: the default model has no int4 form here (it needs a CPU with native bfloat16)")
+    loaded.freeze()
+    rows = []
+    for batch in args.batches:
+        step = OursDecode(loaded, batch, args.context, loaded.dtype)
+
+        def with_kernels(max_rows: int, step: OursDecode = step) -> torch.Tensor:
+            set_int4_max_rows(loaded.model, max_rows)
+            return step()
+
+        fns = [lambda n=n: with_kernels(n) for n in KERNEL_CHOICES.values()]
+        times = interleaved_ms(fns, args.repeats)
+        rows.append(KernelRow(batch, dict(zip(KERNEL_CHOICES, times, strict=True))))
+    return rows
+
+
+def format_kernel_table(rows: list[KernelRow], context: int) -> str:
+    names = list(KERNEL_CHOICES)
+    head = f"{'decode':<20}" + "".join(f"{n + ' tok/s':>17}" for n in names) + "".join(
+        f"{n + '/dense':>15}" for n in names[1:])
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        dense = r.ms[names[0]]
+        lines.append(f"{f'b={r.batch} ctx={context}':<20}"
+                     + "".join(f"{r.batch / r.ms[n] * 1e3:>17.1f}" for n in names)
+                     + "".join(f"{dense / r.ms[n]:>15.2f}" for n in names[1:]))
+    lines.append(f"dispatch: int4 for steps of <= {INT4_MAX_ROWS} rows; x/dense: speed relative to dense "
+                 f"bf16 (above 1: faster); {torch.get_num_threads()} threads")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[Row], limits: Limits, context: int, frozen: bool) -> str:
@@ -283,7 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     p.add_argument("--kv-dtype", choices=sorted(DTYPES), help="KV cache dtype (default: the model's)")
-    p.add_argument("--batches", default="1,16,64", help="decode batch sizes, comma-separated")
+    p.add_argument("--batches", help="decode batch sizes, comma-separated (default: 1,16,64)")
     p.add_argument("--context", type=int, default=256, help="tokens of context of each decode sequence")
     p.add_argument("--prefill", type=int, default=512, help="prompt length of the prefill case (0: none)")
     p.add_argument("--repeats", type=int, default=9, help="timed repetitions per case (median reported)")
@@ -292,6 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unfrozen", dest="freeze", action="store_false",
                    help="run the model as loaded (default: after model.freeze(), as the engine runs it)")
     p.add_argument("--quick", action="store_true", help="bfloat16 only, 3 repetitions")
+    p.add_argument("--int4", action="store_true",
+                   help="compare decode with dense bf16, int4 and the dispatch (default batches "
+                        "1,2,4,8,16,32)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     if args.quick:
@@ -300,7 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:
         p.error(f"unknown dtype {', '.join(unknown)}; choose among {', '.join(DTYPES)}")
-    args.batches = int_list(args.batches)
+    args.batches = int_list(args.batches or ("1,2,4,8,16,32" if args.int4 else "1,16,64"))
     return args
 
 
@@ -319,6 +387,14 @@ def prepare_torch(threads: int | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     prepare_torch(args.threads)
+    if args.int4:
+        kernel_rows = bench_kernels(args)
+        print(format_kernel_table(kernel_rows, args.context))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"context": args.context, "threads": torch.get_num_threads(), "int4_max_rows":
+                           INT4_MAX_ROWS, "rows": [asdict(r) for r in kernel_rows]}, f, indent=2)
+        return
     dtypes = sorted({"float32", "bfloat16", *args.dtypes})
     before = measure_limits(dtypes, max(5, args.repeats))
     rows = [row for dtype in args.dtypes for row in bench_dtype(dtype, args)]

@@ -116,6 +116,9 @@ def _size(value: str | int | None) -> str | None:
 
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# "auto": a GGUF file's 4-bit blocks (Q4_0, Q4_1) also serve, as they are, steps of few rows through the int4
+# kernel where the model runs in bfloat16; "none": dense weights for every step.
+QUANTIZATION_CHOICES = ("auto", "none")
 
 
 @dataclass
@@ -126,6 +129,10 @@ class EngineConfig:
     model: str | None = option(None, "a Hugging Face model directory or a .gguf file (default: "
                                      "SmolLM2-135M-Instruct)")
     dtype: str = option("auto", "weights and activations dtype", choices=DTYPE_CHOICES)
+    quantization: str = option("auto", "low-bit weight kernels: auto (a GGUF file's 4-bit blocks serve "
+                                       "decode steps of few sequences where the model runs in bfloat16, "
+                                       "dense weights the rest), none (dense weights only)",
+                               choices=QUANTIZATION_CHOICES)
     tensor_parallel_size: int = option(1, "ranks the model is split over (heads and MLP width must divide "
                                           "by it)", check=at_least(1))
     max_model_len: int | None = option(None, "prompt plus output tokens of one request (default: the "

@@ -163,6 +163,7 @@ def test_a_usage_error_prints_the_subcommands_usage(args, usage):
     (["serve", "--chat-template", "{% for %}"], "chat_template does not compile"),
     (["serve", "--generation-config", "/"], "generation_config must be auto, vllm or a folder"),
     (["serve", "--api-key", ""], "api_key must not be empty"),
+    (["serve", "--quantization", "awq"], "argument --quantization: invalid choice: 'awq'"),
 ])
 def test_a_bad_value_is_a_usage_error_naming_it(args, problem):
     result = _usage_error(*args)

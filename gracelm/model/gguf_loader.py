@@ -1,9 +1,11 @@
 """A model from a single GGUF file: config from its metadata, dequantized weights under Hugging Face names,
-and its tokenizer, the last two converted once and then kept in the cache directory."""
+its 4-bit blocks in the int4 kernel's form (`gguf_int4.py`), and its tokenizer, all but the config converted
+once and then kept in the cache directory."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,11 +15,13 @@ from gguf.quants import dequantize
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.file_hash import content_hash
 from gracelm.model.gguf_config import ROPE_FREQS, gguf_model_config
+from gracelm.model.gguf_int4 import INT4_TYPES, int4_blocks
 from gracelm.model.gguf_reader import GGUFFile, GGUFTensorInfo, read_gguf
 from gracelm.model.load_progress import load_progress
+from gracelm.model.quantized_linear import Int4Linear, layout_id
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import cached_tokenizer
-from gracelm.model.weight_cache import cached_weights
+from gracelm.model.weight_cache import cached_tensors, cached_weights
 from gracelm.startup_timeline import mark
 
 # The storage types whose dequantization `gguf.quants` implements and this loader is tested with.
@@ -51,10 +55,14 @@ _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, weights (dequantized to `dtype`, Hugging Face names) and tokenizer of a GGUF model file.
+    """Config, weights (dequantized to `dtype`, Hugging Face names) and tokenizer of a GGUF model file."""
+    model_file = open_gguf(path)
+    tokenizer = model_file.tokenizer()
+    return model_file.config, model_file.weights(dtype), tokenizer
 
-    The tokenizer and the dequantized weights are converted once per file and dtype, then taken from the
-    cache (`tokenizer_cache`, `weight_cache`), keyed by the file's content hash."""
+
+def open_gguf(path: str | Path) -> GGUFModel:
+    """The GGUF model file at `path`, its header read and checked."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}" + (" (a directory)" if path.is_dir() else ""))
@@ -64,26 +72,75 @@ def load_gguf(
     names = {name: _hf_name(gguf, name) for name in gguf.tensors if name != ROPE_FREQS}
     model_hash = content_hash(path)
     mark("model_files")
-    tokenizer = cached_tokenizer(model_hash, lambda: Tokenizer.from_gguf(path, metadata=gguf.metadata))
-    mark("tokenizer")
-    shapes = {hf_name: gguf.tensors[gguf_name].shape for gguf_name, hf_name in names.items()}
-    weights = cached_weights(model_hash, dtype, shapes, lambda: _converted(gguf, config, names, dtype))
-    mark("weights")
-    return config, weights, tokenizer
+    return GGUFModel(gguf, config, names, model_hash)
 
 
-def _converted(gguf: GGUFFile, config: ModelConfig, names: dict[str, str],
-               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+@dataclass
+class GGUFModel:
+    """A GGUF model file whose header is read: what it converts to is converted once per file (and dtype),
+    then taken from the cache (`tokenizer_cache`, `weight_cache`), keyed by the file's content hash."""
+
+    gguf: GGUFFile
+    config: ModelConfig
+    names: dict[str, str]  # GGUF tensor name -> Hugging Face name
+    model_hash: str
+
+    def tokenizer(self) -> Tokenizer:
+        path, metadata = self.gguf.path, self.gguf.metadata
+        return cached_tokenizer(self.model_hash, lambda: Tokenizer.from_gguf(path, metadata=metadata))
+
+    def weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Every tensor dequantized to `dtype`, under its Hugging Face name."""
+        shapes = {hf_name: self.gguf.tensors[gguf_name].shape for gguf_name, hf_name in self.names.items()}
+        return cached_weights(self.model_hash, dtype, shapes, lambda: _converted(self, dtype))
+
+    def int4_matrices(self) -> dict[str, str]:
+        """GGUF name -> Hugging Face name of the matrices stored in 4-bit blocks (`gguf_int4.INT4_TYPES`)."""
+        return {gguf_name: hf_name for gguf_name, hf_name in self.names.items()
+                if self.gguf.tensors[gguf_name].ggml_type in INT4_TYPES}
+
+    def int4_weights(self) -> dict[str, Int4Linear]:
+        """The `int4_matrices` in the int4 kernel's form, under their Hugging Face names."""
+        blocks = self.int4_matrices()
+        expected = {f"{hf_name}.{part}": form
+                    for gguf_name, hf_name in blocks.items()
+                    for part, form in Int4Linear.stored_form(*self.gguf.tensors[gguf_name].shape).items()}
+        tensors = cached_tensors(self.model_hash, f"int4-{layout_id()}", expected,
+                                 lambda: _converted_int4(self, blocks))
+        return {hf_name: Int4Linear(tensors[f"{hf_name}.packed"], tensors[f"{hf_name}.scales_zeros"],
+                                    self.gguf.tensors[gguf_name].shape[0])
+                for gguf_name, hf_name in blocks.items()}
+
+
+def _converted(model: GGUFModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor dequantized, llama.cpp's rotary layout undone, cast to `dtype`, under its HF name."""
-    rotary_heads = _rotary_permuted_heads(gguf, config)
+    gguf = model.gguf
+    rotary_heads = _rotary_permuted_heads(gguf, model.config)
     weights = {}
-    for gguf_name, hf_name in load_progress(names.items(), len(names), "converting weights"):
+    for gguf_name, hf_name in load_progress(model.names.items(), len(model.names), "converting weights"):
         weight = _dequantized(gguf, gguf.tensors[gguf_name])
         part = gguf_name.split(".")[-2]
         if part in rotary_heads:
             weight = _unpermute_rotary(weight, rotary_heads[part])
         weights[hf_name] = weight.to(dtype)
     return weights
+
+
+def _converted_int4(model: GGUFModel, blocks: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The 4-bit matrices `blocks` names (GGUF name -> HF name) in the int4 kernel's form, llama.cpp's rotary
+    layout undone (a permutation of whole rows, blocks and all), as the cache keeps them."""
+    gguf = model.gguf
+    rotary_heads = _rotary_permuted_heads(gguf, model.config)
+    tensors = {}
+    for gguf_name, hf_name in load_progress(blocks.items(), len(blocks), "packing 4-bit weights"):
+        info = gguf.tensors[gguf_name]
+        parts = int4_blocks(gguf.raw_tensor(info), info.ggml_type)
+        part = gguf_name.split(".")[-2]
+        if part in rotary_heads:
+            parts = tuple(_unpermute_rotary(t, rotary_heads[part]) for t in parts)
+        for name, tensor in Int4Linear.pack(*parts).tensors().items():
+            tensors[f"{hf_name}.{name}"] = tensor
+    return tensors
 
 
 def _check_tensor_types(gguf: GGUFFile) -> None:
@@ -123,7 +180,8 @@ def _rotary_permuted_heads(gguf: GGUFFile, config: ModelConfig) -> dict[str, int
 
 
 def _unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's permutation: per head, rows (pair i, half j) go back to (half j, pair i)."""
+    """Inverse of llama.cpp's permutation: per head, rows (pair i, half j) go back to (half j, pair i). Rows
+    of any tensor of the weight's rows (its 4-bit blocks' q, scales and zeros) move the same way."""
     rows = weight.shape[0]
     order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
     return weight.index_select(0, order)

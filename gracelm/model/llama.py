@@ -5,11 +5,15 @@ serving, scheduling or parallelism; head counts are read from the projections' o
 tensor-parallel wrapper may shard the q/k/v/o and gate/up/down linears from outside.
 
 Once loaded (and sharded, if at all), `LlamaForCausalLM.freeze()` turns the linears into `FrozenLinear`s:
-q/k/v and gate/up stacked by rows into one matmul each, bfloat16 weights reordered once for oneDNN. The
-matmuls are most of a decode step's time. A frozen linear keeps its parts' row counts (`output_sizes`).
+q/k/v and gate/up stacked by rows into one matmul each, bfloat16 weights reordered once for oneDNN, and
+where the weights came in 4-bit blocks, their 4-bit form beside, for steps of few rows
+(`model/quantized_linear.py`). The matmuls are most of a decode step's time. A frozen linear keeps its
+parts' row counts (`output_sizes`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +22,7 @@ from torch import nn
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.attention import AttentionMetadata, paged_attention
 from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Choice, Int4Linear
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -43,22 +48,39 @@ class FrozenLinear(nn.Module):
     its share of each part. bfloat16 weights on CPU are reordered once into oneDNN's blocked layout: the
     same kernel as `F.linear` (bit-identical results) without the per-call weight reorder, 1.6-2.5x faster
     at batch 1 and 1.2-1.4x at batch 64 on this project's machine. Float32 keeps the plain weight and MKL,
-    so float32 logits stay those of transformers."""
+    so float32 logits stay those of transformers.
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
+    With a 4-bit form (`int4`), a call of at most `int4_max_rows` rows uses it instead: the int4 kernel reads
+    a quarter of the bytes, which decides a decode step of few sequences (`model/quantized_linear.py`).
+    `int4_max_rows` may be set at any time: 0 never uses the int4 form, `sys.maxsize` always does (one
+    kernel for every batch size)."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
+                 int4: Int4Linear | None = None, int4_max_rows: int = INT4_MAX_ROWS) -> None:
         super().__init__()
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.output_sizes = tuple(w.shape[0] for w in weights)
         self.bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
         self.packed = _onednn_packed(weight)
         self.weight = weight if self.packed is None else None
+        self.int4 = None if int4 is None else int4.to_dtype(weight.dtype)
+        self.int4_max_rows = int4_max_rows
 
     @classmethod
-    def of(cls, linears: list[nn.Linear]) -> FrozenLinear:
-        biases = [linear.bias for linear in linears] if linears[0].bias is not None else None
-        return cls([linear.weight for linear in linears], biases)
+    def of(cls, linears: list[nn.Module], int4: Int4Choice | None = None) -> FrozenLinear:
+        """Of modules with a `weight` (linears, or a tied embedding) and maybe a `bias`; with their stacked
+        4-bit form where `int4` has one for each."""
+        weights = [linear.weight for linear in linears]
+        has_bias = getattr(linears[0], "bias", None) is not None
+        biases = [linear.bias for linear in linears] if has_bias else None
+        if int4 is None:
+            return cls(weights, biases)
+        return cls(weights, biases, int4.stacked(linears), int4.max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+            out = self.int4(x)
+            return out if self.bias is None else out + self.bias
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -68,13 +90,36 @@ class FrozenLinear(nn.Module):
         return self(x).split(self.output_sizes, dim=-1)
 
 
-def freeze_linears(module: nn.Module) -> None:
+def freeze_linears(module: nn.Module, int4: Int4Choice | None = None) -> None:
     """Replaces every `nn.Linear` below `module`, however deeply wrapped, by its `FrozenLinear`."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, FrozenLinear.of([child]))
+            setattr(module, name, FrozenLinear.of([child], int4))
         else:
-            freeze_linears(child)
+            freeze_linears(child, int4)
+
+
+def set_int4_max_rows(module: nn.Module, rows: int) -> None:
+    """Sets `int4_max_rows` of every frozen linear below `module`: 0 for dense weights at every batch size,
+    `sys.maxsize` for the int4 form at every batch size (where a linear has one), `INT4_MAX_ROWS` as
+    frozen."""
+    for linear in module.modules():
+        if isinstance(linear, FrozenLinear):
+            linear.int4_max_rows = rows
+
+
+def describe_linear_kernels(module: nn.Module) -> str:
+    """Which kernels the frozen linears below `module` use, for the log."""
+    linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
+    dense = "bfloat16 oneDNN" if linears[0].packed is not None else f"{linears[0].weight.dtype} F.linear"
+    dense = dense.replace("torch.", "")
+    with_int4 = [m for m in linears if m.int4 is not None and m.int4_max_rows > 0]
+    if not with_int4:
+        return f"{dense} at every batch size ({len(linears)} matmuls)"
+    scales = str(with_int4[0].int4.scales_zeros.dtype).removeprefix("torch.")
+    bounds = sorted({m.int4_max_rows for m in with_int4})
+    return (f"int4 (group {GROUP_SIZE}, {scales} scales) for steps of <= {'/'.join(map(str, bounds))} rows, "
+            f"{dense} above, for {len(with_int4)} of {len(linears)} matmuls; {dense} for the others")
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
@@ -103,8 +148,8 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.qkv_proj: FrozenLinear | None = None
 
-    def fuse_qkv(self) -> None:
-        self.qkv_proj = FrozenLinear.of([self.q_proj, self.k_proj, self.v_proj])
+    def fuse_qkv(self, int4: Int4Choice | None = None) -> None:
+        self.qkv_proj = FrozenLinear.of([self.q_proj, self.k_proj, self.v_proj], int4)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
@@ -135,8 +180,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj: FrozenLinear | None = None
 
-    def fuse_gate_up(self) -> None:
-        self.gate_up_proj = FrozenLinear.of([self.gate_proj, self.up_proj])
+    def fuse_gate_up(self, int4: Int4Choice | None = None) -> None:
+        self.gate_up_proj = FrozenLinear.of([self.gate_proj, self.up_proj], int4)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,13 +225,14 @@ class LlamaModel(nn.Module):
         # Not a weight: recomputed from the config (on CPU even under a `meta` device context).
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
 
-    def freeze(self) -> None:
-        """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`): after loading, and after
-        sharding if any (the sharded linears may be wrapped: those inside the wrappers are frozen)."""
+    def freeze(self, int4: Int4Choice | None = None) -> None:
+        """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`), with the 4-bit forms `int4`
+        has: after loading, and after sharding if any (the sharded linears may be wrapped: those inside the
+        wrappers are frozen)."""
         for layer in self.layers:
-            layer.self_attn.fuse_qkv()
-            layer.mlp.fuse_gate_up()
-            freeze_linears(layer)
+            layer.self_attn.fuse_qkv(int4)
+            layer.mlp.fuse_gate_up(int4)
+            freeze_linears(layer, int4)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states after the final norm of the rows `batch.logits_indices`."""
@@ -214,13 +260,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_proj: FrozenLinear | None = None
 
-    def freeze(self) -> None:
+    def freeze(self, int4: Mapping[str, Int4Linear] | None = None,
+               int4_max_rows: int = INT4_MAX_ROWS) -> None:
         """Readies the loaded weights for fast inference: the decoder's (see `LlamaModel.freeze`) and the
-        logits projection's. Their weights leave the state dict: load before, never after. (A tensor-parallel
-        wrapper, which has its own logits head, shards first and then calls `LlamaModel.freeze`.)"""
-        self.model.freeze()
+        logits projection's, with the 4-bit forms `int4` gives by weight name (a GGUF file's, as
+        `LoadedModel.int4` holds them) for steps of at most `int4_max_rows` rows. Their weights leave the
+        state dict: load before, never after. (A tensor-parallel wrapper, which has its own logits head,
+        shards first and then calls `LlamaModel.freeze`.)"""
+        choice = Int4Choice.of(self, int4, int4_max_rows) if int4 else None
+        self.model.freeze(choice)
         # Tied: the embedding keeps its plain matrix for lookups, the logits get their own (packed) copy.
-        self.logits_proj = FrozenLinear([self.output_embedding()])
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        self.logits_proj = FrozenLinear.of([head], choice)
         if not self.config.tie_word_embeddings:
             del self.lm_head
 

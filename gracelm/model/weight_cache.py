@@ -1,13 +1,15 @@
 """Converted weights, kept on disk: a GGUF file's quantized tensors are dequantized (and llama.cpp's rotary
 layout undone) once, then stored under Hugging Face names in the target dtype as one safetensors file, which
 later starts map into memory instead of converting again (the pages come from the page cache, and only
-those the model touches are read).
+those the model touches are read). A file's 4-bit blocks in the int4 kernel's form (`gguf_int4.py`) are
+kept the same way, in an entry of their own.
 
-An entry is `cache_dir("weights")/<content hash>-<dtype>-v<FORMAT_VERSION>.safetensors`. A file safetensors
-refuses (truncated, a torn header) or whose tensors are not those expected (names, shapes, dtype) is
-logged, deleted and converted again; a start never fails on the cache. safetensors holds no checksum of the
-data, and reading the whole file to check one would cost what the cache saves: a bit flipped inside a
-tensor is not detected, as with any safetensors checkpoint.
+An entry is `cache_dir("weights")/<content hash>-<kind>-v<FORMAT_VERSION>.safetensors`, the kind being the
+dtype of dense weights (`bfloat16`) or `int4-<layout>` (`quantized_linear.layout_id`: the packed layout
+differs by CPU kind). A file safetensors refuses (truncated, a torn header) or whose tensors are not those
+expected (names, shapes, dtypes) is logged, deleted and converted again; a start never fails on the cache.
+safetensors holds no checksum of the data, and reading the whole file to check one would cost what the cache
+saves: a bit flipped inside a tensor is not detected, as with any safetensors checkpoint.
 
 Entries are written atomically (`write_atomic`) and never modified in place, so a mapped file stays valid
 even if another process replaces or prunes it. The folder keeps the `MAX_ENTRIES` most recently used
@@ -32,24 +34,34 @@ from gracelm.cache_dir import cache_dir, write_atomic
 
 logger = logging.getLogger(__name__)
 
-# Bump when the conversion changes what it produces (names, layout, dequantization).
-FORMAT_VERSION = 1
-# Converted models kept: with a few models in turn, each still starts warm; the float32 default model's
-# entry is 0.5 GB.
-MAX_ENTRIES = 4
+# Bump when the conversion changes what it produces (names, layout, dequantization). 2: int4 entries.
+FORMAT_VERSION = 2
+# Entries kept: with a few models in turn, each still starts warm. A 4-bit GGUF file served in bfloat16 has
+# two (the default model's: 270 MB dense, 80 MB int4); the float32 default model's dense entry is 0.5 GB.
+MAX_ENTRIES = 6
 _SUFFIX = ".safetensors"
 # A writer's temporary file (`write_atomic`) older than this was left by a killed writer.
 _ABANDONED_AFTER_S = 3600.0
 
 Shapes = dict[str, tuple[int, ...]]
+# Each tensor's shape and dtype.
+Expected = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def cached_weights(model_hash: str, dtype: torch.dtype, shapes: Shapes,
                    convert: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The converted weights of the model whose content hash is `model_hash`, in `dtype`, named and shaped
     as `shapes` says: mapped from the cache, else `convert()`ed (then stored)."""
-    path = entry_path(model_hash, dtype)
-    weights = _read(path, dtype, shapes)
+    expected = {name: (shape, dtype) for name, shape in shapes.items()}
+    return cached_tensors(model_hash, dtype, expected, convert)
+
+
+def cached_tensors(model_hash: str, kind: torch.dtype | str, expected: Expected,
+                   convert: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The entry `kind` of the model whose content hash is `model_hash`, its tensors as `expected`: mapped
+    from the cache, else `convert()`ed (then stored)."""
+    path = entry_path(model_hash, kind)
+    weights = _read(path, expected)
     if weights is not None:
         with contextlib.suppress(OSError):  # a read-only cache still serves its entries
             os.utime(path)  # most recently used: the last to be pruned
@@ -64,12 +76,13 @@ def cached_weights(model_hash: str, dtype: torch.dtype, shapes: Shapes,
     return weights
 
 
-def entry_path(model_hash: str, dtype: torch.dtype) -> Path:
-    dtype_name = str(dtype).removeprefix("torch.")
-    return cache_dir("weights") / f"{model_hash}-{dtype_name}-v{FORMAT_VERSION}{_SUFFIX}"
+def entry_path(model_hash: str, kind: torch.dtype | str) -> Path:
+    """The entry of dense weights of a dtype, or of another kind (`int4-<layout>`)."""
+    name = kind if isinstance(kind, str) else str(kind).removeprefix("torch.")
+    return cache_dir("weights") / f"{model_hash}-{name}-v{FORMAT_VERSION}{_SUFFIX}"
 
 
-def _read(path: Path, dtype: torch.dtype, shapes: Shapes) -> dict[str, torch.Tensor] | None:
+def _read(path: Path, expected: Expected) -> dict[str, torch.Tensor] | None:
     if not path.is_file():
         return None
     try:
@@ -77,7 +90,7 @@ def _read(path: Path, dtype: torch.dtype, shapes: Shapes) -> dict[str, torch.Ten
     except (SafetensorError, OSError) as e:
         problem = f"unreadable ({e})"
     else:
-        problem = _mismatch(weights, dtype, shapes)
+        problem = _mismatch(weights, expected)
         if problem is None:
             return weights
     logger.warning("converted-weights cache entry %s is %s; converting the weights again", path, problem)
@@ -85,12 +98,12 @@ def _read(path: Path, dtype: torch.dtype, shapes: Shapes) -> dict[str, torch.Ten
     return None
 
 
-def _mismatch(weights: dict[str, torch.Tensor], dtype: torch.dtype, shapes: Shapes) -> str | None:
+def _mismatch(weights: dict[str, torch.Tensor], expected: Expected) -> str | None:
     """What makes `weights` not the expected tensors, or None."""
-    if weights.keys() != shapes.keys():
-        return f"not of this model ({len(weights)} tensors, {len(shapes)} expected)"
+    if weights.keys() != expected.keys():
+        return f"not of this model ({len(weights)} tensors, {len(expected)} expected)"
     for name, tensor in weights.items():
-        if tuple(tensor.shape) != shapes[name] or tensor.dtype != dtype:
+        if (tuple(tensor.shape), tensor.dtype) != expected[name]:
             return f"not of this model ({name} is {tensor.dtype} {list(tensor.shape)})"
     return None
 

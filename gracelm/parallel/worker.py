@@ -35,6 +35,7 @@ from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
 from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.llama import describe_linear_kernels
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.prompt_logprobs import prompt_logprobs
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
@@ -79,14 +80,20 @@ class Worker:
         local_ranks = self.world_size // self.config.nnodes
         share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
         torch.set_num_threads(self.config.num_threads or share)
-        self.loaded = load_model(self.config.model, self.config.dtype)
+        self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization)
         # Freezing fuses and repacks the HF-named linears, so it comes last: after sharding, which splits them
         # (the tensor-parallel shard freezes itself once split).
         if self.world_size > 1:
             check_shardable(self.loaded.config, self.world_size)
+            if self.loaded.int4:
+                # Sharding splits dense weights only; the int4 kernel's packed layout is not split here.
+                logger.info("rank %d: tensor parallelism serves the 4-bit matrices dequantized", self.rank)
+                self.loaded.int4 = {}
             self.shard = TensorParallelModel(self.loaded.model, self.rank, self.world_size)
         else:
-            self.loaded.model.freeze()
+            self.loaded.freeze()
+        model = self.shard if self.shard is not None else self.loaded.model
+        logger.info("rank %d linear kernels: %s", self.rank, describe_linear_kernels(model))
         return self.loaded
 
     @property

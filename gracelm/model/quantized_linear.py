@@ -1,0 +1,142 @@
+"""4-bit weights in the form of torch's CPU weight-only kernel (`aten._weight_int4pack_mm_for_cpu`), and the
+number of rows up to which `FrozenLinear` uses them instead of its dense weight.
+
+The form: a [N, K] weight cut along K into groups of `GROUP_SIZE`; each group of a row has a scale s and a
+zero z, and w = s·(q − 8) + z for the 4-bit q in 0..15. GGUF's own 4-bit blocks are such groups, so they
+load value for value (`model/gguf_int4.py`), never through a dense copy. The kernel takes q two to a byte
+in a blocked layout of its own (`_convert_weight_to_int4pack_for_cpu`: blocks of 64 rows with AVX-512, 32
+with AVX2; `layout_id` tells layouts apart, since a cached copy must match the running kernel), and s and z
+in the dtype of the activations.
+
+Scales in bfloat16: on x86 the kernel is vectorised for bfloat16 activations only; float32 ones and scales
+(which would hold the file's float16 scales exactly) run its scalar fallback, measured 17x slower than
+bfloat16 on this project's machine and 6x slower than the dense bfloat16 matmul. Scales and zeros are kept
+in float32 (exact) until `FrozenLinear` casts them to its dtype. Rounded to bfloat16 they change the
+weights by 1.4-1.7x what rounding the dequantized weights to bfloat16 does (the dense bfloat16 path), both
+about 2 % of the file's own 4-bit quantisation error (Frobenius norms, the default model's Q4_1 tensors).
+
+Few rows only: the kernel computes 4 rows at a time and reads (and dequantizes) the whole weight for each
+4 rows, while oneDNN's bfloat16 matmul costs about the same from 1 to 16 rows: two passes over a quarter
+of the bytes still beat one dense pass, a third does not. Whole decode steps of the default model
+(`bench/forward.py --int4`, context 256, medians of 15 interleaved runs on this project's loaded
+machine, 2 threads and 1), speed with int4 over speed with dense bfloat16: 1.65-1.76 at 1 row, 1.43-1.45
+at 4, 1.13-1.19 at 5, 1.10-1.11 at 8, 0.98 at 9, 0.92-0.96 at 12, 0.63-0.85 at 16. Hence
+`INT4_MAX_ROWS` = 8, a constant of the kernels' structure rather than a start-up measurement (which would
+cost start-up time and, on a shared machine, measure the neighbours); `bench/forward.py --int4` measures
+the crossover again on another kind of machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Inputs per scale and zero: GGUF's Q4_0/Q4_1 block size.
+GROUP_SIZE = 32
+# Steps of at most this many rows use the int4 kernel, larger ones the dense weight (see above).
+INT4_MAX_ROWS = 8
+# The kernel needs whole multiples of 16 rows; a weight of another height is padded with zero rows.
+_ROW_MULTIPLE = 16
+# Rows per block of the packed layout at most (AVX-512): stacked parts other than the last must fill blocks.
+_PACK_BLOCK_ROWS = 64
+# Ignored on CPU, but the op checks it.
+_INNER_K_TILES = 8
+
+
+class Int4Linear(nn.Module):
+    """A [rows, K] weight as the int4 kernel reads it: `packed` uint8 [rows padded to 16, K / 2] and
+    `scales_zeros` [K / GROUP_SIZE, rows padded, 2] (scale, zero) in the activations' dtype."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, rows: int) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+        self.rows = rows
+
+    @classmethod
+    def pack(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Linear:
+        """From q [N, K] (integers 0..15) and float32 scales and zeros [N, K / GROUP_SIZE]."""
+        rows = q.shape[0]
+        pad = -rows % _ROW_MULTIPLE
+        if pad:  # q = 8 with scale and zero 0: rows of zeros
+            q = F.pad(q, (0, 0, 0, pad), value=8)
+            scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
+                                                                    _INNER_K_TILES)
+        return cls(packed, torch.stack([scales.T, zeros.T], dim=-1).contiguous(), rows)
+
+    @staticmethod
+    def stored_form(rows: int, columns: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shapes and dtypes of `tensors()`, as `pack` makes them, for a [rows, columns] weight."""
+        padded = rows + -rows % _ROW_MULTIPLE
+        return {"packed": ((padded, columns // 2), torch.uint8),
+                "scales_zeros": ((columns // GROUP_SIZE, padded, 2), torch.float32)}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a cache entry keeps (with the weight's shape known, `Int4Linear(**tensors, rows=...)`)."""
+        return {"packed": self.packed, "scales_zeros": self.scales_zeros}
+
+    @staticmethod
+    def stacked(parts: list[Int4Linear]) -> Int4Linear | None:
+        """The parts stacked by rows (a fused q/k/v or gate/up), or None where the packed layout cannot be:
+        every part but the last must fill whole blocks of the layout, unpadded."""
+        if len(parts) == 1:
+            return parts[0]
+        if any(p.rows % _PACK_BLOCK_ROWS for p in parts[:-1]) or len({p.packed.shape[1] for p in parts}) > 1:
+            return None
+        return Int4Linear(torch.cat([p.packed for p in parts]), torch.cat([p.scales_zeros for p in parts], 1),
+                          sum(p.rows for p in parts))
+
+    def to_dtype(self, dtype: torch.dtype) -> Int4Linear:
+        """With scales and zeros in `dtype`, the dtype of the activations it will multiply."""
+        return Int4Linear(self.packed, self.scales_zeros.to(dtype), self.rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP_SIZE,
+                                                         self.scales_zeros)
+        return out if out.shape[1] == self.rows else out[:, : self.rows]
+
+
+@dataclass(frozen=True)
+class Int4Choice:
+    """The 4-bit forms of a model's linears, by module, and the rows up to which they serve: what freezing
+    gives the `FrozenLinear`s."""
+
+    forms: Mapping[nn.Module, Int4Linear]
+    max_rows: int
+
+    @classmethod
+    def of(cls, model: nn.Module, by_name: Mapping[str, Int4Linear], max_rows: int) -> Int4Choice:
+        """From the 4-bit forms of `model`'s weights by name (`<module name>.weight`)."""
+        forms = {module: by_name[f"{name}.weight"] for name, module in model.named_modules()
+                 if f"{name}.weight" in by_name}
+        return cls(forms, max_rows)
+
+    def stacked(self, modules: list[nn.Module]) -> Int4Linear | None:
+        """The modules' weights stacked by rows, in 4 bits; None unless each has a 4-bit form (and the forms
+        stack)."""
+        parts = [self.forms.get(module) for module in modules]
+        if any(part is None for part in parts):
+            return None
+        return Int4Linear.stacked(parts)
+
+
+def int4_kernel_fits(dtype: torch.dtype) -> bool:
+    """Whether the int4 kernel serves a model of `dtype` here: bfloat16 activations (its only vectorised
+    kind) on a CPU whose bfloat16 is native (elsewhere the model runs in float32)."""
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@functools.cache
+def layout_id() -> str:
+    """A fingerprint of the running kernel's packed layout (it depends on the CPU's vector width and may
+    change with torch): a probe of a full block and a partial one, packed and hashed."""
+    probe = (torch.arange(112 * 64, dtype=torch.int32) * 7 % 16).reshape(112, 64)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, _INNER_K_TILES)
+    return hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:12]

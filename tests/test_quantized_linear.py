@@ -1,0 +1,316 @@
+"""4-bit weights for steps of few rows (`model/quantized_linear.py`, `model/gguf_int4.py`): GGUF's Q4_0 and
+Q4_1 blocks read into the int4 kernel's form hold gguf's own dequantized values exactly; the kernel's matmul
+equals the dequantized one up to float32 rounding with float32 scales, and stays within the rounding of
+bfloat16 scales as served, each row computed as if alone; `FrozenLinear` picks the kernel by the number of
+rows (seen in the profiler) and can be forced to one; the form is cached; a 4-bit GGUF model serves few
+rows through it (an engine says so in its log), float32 and `--quantization none` keep dense weights; on
+the default model the greedy tokens agree with the dense bfloat16 path where the dense logits do not nearly
+tie."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gracelm import Engine, SamplingParams
+from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.file_hash import content_hash
+from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.gguf_int4 import int4_blocks
+from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels, set_int4_max_rows
+from gracelm.model.loader import LoadedModel, load_model
+from gracelm.model.model_files import ModelLoadError
+from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Linear, int4_kernel_fits, layout_id
+from gracelm.model.weight_cache import entry_path
+from tests.test_default_model import greedy_batch
+from tests.test_gguf import VOCAB, gguf_layout, hf_model, write_gguf
+
+INT4_OP = "aten::_weight_int4pack_mm_for_cpu"
+# (rows, columns): rows that fill the kernel's 64-row blocks, rows it pads (to 16) and rows it does not.
+SHAPES = [(128, 576), (40, 96), (200, 64), (48, 32)]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]  # across INT4_MAX_ROWS
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+needs_native_bf16 = pytest.mark.skipif(not int4_kernel_fits(torch.bfloat16),
+                                       reason="the int4 kernel serves bfloat16 models: not native here")
+
+
+def quantized(shape: tuple[int, int], qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """Random weights in GGUF blocks of `qtype` (gguf-py's own quantizer), and gguf's dequantization."""
+    weights = np.random.default_rng(seed).normal(0.0, 0.05, shape).astype(np.float32)
+    weights[:, :GROUP_SIZE] += 0.03  # a block whose values are not centred on zero: Q4_1's minimum counts
+    blocks = gguf.quants.quantize(weights, qtype)
+    return blocks, torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(shape))
+
+
+def int4_form(blocks: np.ndarray, qtype: Q) -> Int4Linear:
+    return Int4Linear.pack(*int4_blocks(blocks, qtype))
+
+
+def activations(rows: int, columns: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(rows, columns, generator=torch.Generator().manual_seed(rows)).to(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_blocks_read_as_ggufs_own_dequantized_values(qtype: Q, shape: tuple[int, int]) -> None:
+    blocks, reference = quantized(shape, qtype)
+    q, scales, zeros = int4_blocks(blocks, qtype)
+    assert q.min() >= 0 and q.max() <= 15 and q.shape == shape
+    groups = q.float().view(shape[0], -1, GROUP_SIZE)
+    values = (groups - 8) * scales[..., None] + zeros[..., None]
+    assert torch.equal(values.reshape(shape), reference)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_the_kernel_multiplies_the_files_values_with_float32_scales(qtype: Q, shape: tuple[int, int]) -> None:
+    """Scales and zeros as loaded (float32, exact): the product is the dequantized one up to float32
+    rounding, so the packed layout loses nothing (and a wrong layout would show at once)."""
+    blocks, reference = quantized(shape, qtype)
+    linear = int4_form(blocks, qtype)
+    for rows in ROWS:
+        x = activations(rows, shape[1])
+        expected = x.double() @ reference.double().T
+        bound = 1e-5 * (x.abs().double() @ reference.abs().double().T) + 1e-7
+        error = (linear(x).double() - expected).abs()
+        assert (error <= bound).all(), f"{rows} rows: {(error - bound).max()}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_bfloat16_scales_err_only_by_their_rounding(qtype: Q, shape: tuple[int, int]) -> None:
+    """As served (bfloat16 activations and scales): each weight is off by at most the rounding of its
+    group's scale times |q - 8| plus that of its zero, and the output by that and its own rounding."""
+    blocks, reference = quantized(shape, qtype)
+    q, scales, zeros = int4_blocks(blocks, qtype)
+    linear = Int4Linear.pack(q, scales, zeros).to_dtype(torch.bfloat16)
+    per_weight = BF16_UNIT_ROUNDOFF * ((q.double() - 8).abs().view(shape[0], -1, GROUP_SIZE)
+                                       * scales.double().abs()[..., None] + zeros.double().abs()[..., None])
+    for rows in ROWS:
+        x = activations(rows, shape[1], torch.bfloat16)
+        expected = x.double() @ reference.double().T
+        bound = (x.double().abs() @ per_weight.reshape(shape).T + BF16_UNIT_ROUNDOFF * expected.abs()
+                 + 1e-5 * (x.double().abs() @ reference.double().abs().T))
+        error = (linear(x).double() - expected).abs()
+        assert (error <= bound).all(), f"{rows} rows: {(error - bound).max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_int4_kernel_computes_each_row_as_if_alone(dtype: torch.dtype) -> None:
+    """Rows do not interact (what a batch-invariant mode forcing int4 at every size relies on): each row
+    of a call equals the call of that row alone, bit for bit."""
+    blocks, _ = quantized((200, 576), Q.Q4_1)
+    linear = int4_form(blocks, Q.Q4_1).to_dtype(dtype)
+    x = activations(64, 576, dtype)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(64)])
+    for rows in ROWS:
+        assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+
+
+def kernels_run(linear: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, set[str]]:
+    """The output, and the names of the operators that computed it (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        out = linear(x)
+    return out, {event.key for event in profile.key_averages()}
+
+
+@needs_native_bf16
+def test_frozen_linear_picks_the_kernel_by_rows_and_can_be_forced() -> None:
+    blocks, reference = quantized((128, 576), Q.Q4_1)
+    bias = torch.randn(128).to(torch.bfloat16)
+    frozen = FrozenLinear([reference.to(torch.bfloat16)], [bias], int4_form(blocks, Q.Q4_1))
+    dense = FrozenLinear([reference.to(torch.bfloat16)], [bias])
+    assert frozen.int4_max_rows == INT4_MAX_ROWS
+    for max_rows in (INT4_MAX_ROWS, 0, sys.maxsize):  # as measured, never, always
+        frozen.int4_max_rows = max_rows
+        for rows in ROWS:
+            x = activations(rows, 576, torch.bfloat16)
+            out, ops = kernels_run(frozen, x)
+            chosen = frozen.int4(x) + bias if rows <= max_rows else dense(x)
+            assert (INT4_OP in ops) == (rows <= max_rows), (max_rows, rows, ops)
+            assert torch.equal(out, chosen)
+            assert not torch.equal(out, frozen.int4(x) + bias if rows > max_rows else dense(x))
+
+
+def test_stacked_forms_equal_their_parts_where_the_layout_stacks() -> None:
+    parts = [quantized(shape, Q.Q4_0, seed) for seed, shape in enumerate([(64, 96), (128, 96), (40, 96)])]
+    forms = [int4_form(blocks, Q.Q4_0) for blocks, _ in parts]
+    stacked = Int4Linear.stacked(forms)
+    assert stacked is not None and stacked.rows == 232
+    x = activations(3, 96)
+    assert torch.equal(stacked(x), torch.cat([form(x) for form in forms], dim=1))
+    # A part of 40 rows fills no whole block of the packed layout: only the last may be one.
+    assert Int4Linear.stacked([forms[2], forms[0]]) is None
+
+
+def tiny_gguf(path: Path, qtype: Q, seed: int = 3) -> Path:
+    """A tiny Llama in 4-bit blocks, tied: its logits head is the 4-bit embedding (padded: the vocabulary
+    is no multiple of 16)."""
+    assert VOCAB % 16
+    return write_gguf(path, gguf_layout(hf_model("llama", seed=seed), "llama"), qtype)
+
+
+def decode_logits(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """Logits of a prefill of `rows` sequences of 6 tokens (dense: more than INT4_MAX_ROWS rows), then
+    of 3 decode steps of `rows` rows."""
+    block = 16
+    caches = allocate_kv_cache(model.config, rows, block, dtype)
+    tables = torch.arange(rows)[:, None]
+    tokens = torch.randint(0, VOCAB, (rows, 9), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for start, length in ((0, 6), (6, 1), (7, 1), (8, 1)):
+        positions = torch.arange(start, start + length).repeat(rows)
+        batch = ForwardBatch(
+            input_ids=tokens[:, start : start + length].reshape(-1), positions=positions,
+            slot_mapping=tables.repeat_interleave(length) * block + positions, query_lens=[length] * rows,
+            seq_lens=[start + length] * rows, block_tables=tables,
+            logits_indices=torch.arange(1, rows + 1) * length - 1)
+        logits.append(model(batch, caches))
+    return torch.stack(logits)
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Path, qtype: Q) -> None:
+    path = tiny_gguf(tmp_path / "m.gguf", qtype)
+    loaded = load_model(path, dtype="bfloat16")
+    assert set(loaded.int4) == {name for name, t in loaded.model.state_dict().items() if t.dim() == 2}
+    loaded.freeze()
+    assert not loaded.int4  # handed over
+    assert describe_linear_kernels(loaded.model).startswith(
+        f"int4 (group 32, bfloat16 scales) for steps of <= {INT4_MAX_ROWS} rows, bfloat16 oneDNN above, for "
+        f"{2 * 4 + 1} of {2 * 4 + 1} matmuls")
+    dense = load_model(path, dtype="bfloat16", quantization="none")
+    assert not dense.int4
+    dense.freeze()
+    assert describe_linear_kernels(dense.model) == "bfloat16 oneDNN at every batch size (9 matmuls)"
+    exact = load_model(path, dtype="float32", quantization="none")
+    exact.freeze()
+    reference = decode_logits(exact.model, 2, torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        ours = decode_logits(loaded.model, 2, torch.bfloat16)
+    assert INT4_OP in {event.key for event in profile.key_averages()}
+    dense_error = (decode_logits(dense.model, 2, torch.bfloat16) - reference).abs().max()
+    int4_error = (ours - reference).abs().max()
+    assert reference.abs().max() > 1.0  # far from zero, so that a wrong weight would show
+    # Against the file's values in float32, the int4 path errs about as the dense bfloat16 path does.
+    assert int4_error <= 3 * dense_error, (int4_error, dense_error)
+
+
+@needs_native_bf16
+def test_float32_and_none_keep_dense_weights(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1)
+    loaded = load_model(path, dtype="float32")
+    assert not loaded.int4
+    loaded.freeze()
+    assert describe_linear_kernels(loaded.model) == "float32 F.linear at every batch size (9 matmuls)"
+    with pytest.raises(ModelLoadError, match="unsupported quantization 'awq'; choose auto, none"):
+        load_model(path, quantization="awq")
+
+
+@needs_native_bf16
+def test_the_int4_form_is_cached_and_a_damaged_entry_rebuilt(tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1, seed=11)  # a file of its own: a cold cache
+    entry = entry_path(content_hash(path), f"int4-{layout_id()}")
+    assert not entry.exists()
+    cold = load_model(path, dtype="bfloat16").int4
+    assert entry.is_file()
+    assert_same_forms(load_model(path, dtype="bfloat16").int4, cold)  # a hit, mapped from the entry
+    data = entry.read_bytes()
+    entry.write_bytes(data[: len(data) // 2])  # no mapping of it is left: touching one now would fault
+    with caplog.at_level(logging.WARNING, logger="gracelm.model.weight_cache"):
+        rebuilt = load_model(path, dtype="bfloat16").int4
+    assert f"converted-weights cache entry {entry} is unreadable" in caplog.text
+    assert entry.read_bytes() == data
+    assert_same_forms(rebuilt, cold)
+
+
+def assert_same_forms(forms: dict[str, Int4Linear], expected: dict[str, Int4Linear]) -> None:
+    assert forms.keys() == expected.keys()
+    for name, form in expected.items():
+        assert forms[name].rows == form.rows
+        assert torch.equal(forms[name].packed, form.packed)
+        assert torch.equal(forms[name].scales_zeros, form.scales_zeros)
+
+
+@needs_native_bf16
+def test_an_engine_logs_its_linear_kernels(tmp_path: Path, capfd: pytest.CaptureFixture,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """From `--quantization` (here `Engine(quantization=...)`) to the core's log."""
+    path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1)
+    caplog.set_level(logging.INFO)  # the core logs at its parent's level
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for quantization, kernels in (("auto", "int4 (group 32, bfloat16 scales)"),
+                                  ("none", "bfloat16 oneDNN at every batch size")):
+        with Engine(str(path), dtype="bfloat16", quantization=quantization, num_threads=1,
+                    kv_cache_memory="4MiB") as engine:
+            out = engine.generate([[5, 6, 7, 8]], greedy, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        log = capfd.readouterr().err
+        assert f"rank 0 linear kernels: {kernels}" in log, log[-2000:]
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at"]
+
+
+def forced_logits(loaded: LoadedModel, tokens: list[int], prompt_length: int) -> torch.Tensor:
+    """Logits of each position from the prompt's last on: the prompt in one step, then one token per step
+    (one row: int4 where the model has it)."""
+    block = 16
+    blocks = -(-len(tokens) // block)
+    caches = allocate_kv_cache(loaded.config, blocks, block, loaded.dtype)
+
+    def step(start: int, chunk: list[int]) -> torch.Tensor:
+        positions = torch.arange(start, start + len(chunk))
+        batch = ForwardBatch(input_ids=torch.tensor(chunk), positions=positions, slot_mapping=positions,
+                             query_lens=[len(chunk)], seq_lens=[start + len(chunk)],
+                             block_tables=torch.arange(blocks)[None],
+                             logits_indices=torch.tensor([len(chunk) - 1]))
+        return loaded.model(batch, caches)[0]
+
+    logits = [step(0, tokens[:prompt_length])]
+    logits += [step(i, [tokens[i]]) for i in range(prompt_length, len(tokens) - 1)]
+    return torch.stack(logits)
+
+
+@needs_native_bf16
+@pytest.mark.timeout(600)
+def test_default_model_greedy_tokens_agree_with_dense_bfloat16() -> None:
+    """Teacher-forced on the dense path's own greedy continuations (so that one flip does not derail the
+    rest): the int4 path's top token is the dense one's at least 90 % of the time (measured: 236 of 240
+    over 6 prompts, 40 tokens each), and it differs only where the dense logits nearly tie (within 0.22
+    measured; 1.0 allowed)."""
+    loaded = load_model(None, dtype="bfloat16")
+    loaded.freeze()
+    agree, total = 0, 0
+    for prompt in PROMPTS:
+        ids = loaded.tokenizer.encode(prompt)
+        set_int4_max_rows(loaded.model, 0)
+        tokens = ids + greedy_batch(loaded, [ids], 24)[0]
+        dense = forced_logits(loaded, tokens, len(ids))
+        set_int4_max_rows(loaded.model, INT4_MAX_ROWS)
+        int4 = forced_logits(loaded, tokens, len(ids))
+        dense_top, int4_top = dense.argmax(-1), int4.argmax(-1)
+        agree += int((dense_top == int4_top).sum())
+        total += len(dense_top)
+        rows = torch.arange(len(dense_top))
+        margins = dense[rows, dense_top] - dense[rows, int4_top]
+        assert (margins < 1.0).all(), (prompt, margins.max())
+    assert agree >= 0.9 * total, (agree, total)
+
+
+def test_a_bad_quantization_is_refused_by_name() -> None:
+    from gracelm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, got 'awq'"):
+        EngineConfig(quantization="awq")
+
