@@ -1,7 +1,8 @@
 """Loads a model: a Hugging Face directory (config.json + safetensors) or a single GGUF file.
 
 The module is built on the `meta` device and the checkpoint's tensors are assigned into it, so weights exist
-once in memory (cast only when the requested dtype differs from the file's).
+once in memory (cast only when the requested dtype differs from the file's). On another device than the CPU
+the built module is then moved there (`model/device.py` resolves which).
 """
 
 from __future__ import annotations
@@ -47,38 +48,46 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     name: str
+    device: torch.device
 
 
-def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto") -> LoadedModel:
-    """Loads weights, config and tokenizer; `path=None` is the default model (SmolLM2-135M-Instruct GGUF)."""
+def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Loads weights, config and tokenizer onto `device`; `path=None` is the default model
+    (SmolLM2-135M-Instruct GGUF)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     path = resolve_model_path(path)
-    return _load_hf_directory(path, dtype) if path.is_dir() else _load_gguf_file(path, dtype)
+    device = torch.device(device)
+    load = _load_hf_directory if path.is_dir() else _load_gguf_file
+    loaded = load(path, dtype, device)
+    if device.type != "cpu":
+        loaded.model.to(device)
+    return loaded
 
 
-def _load_hf_directory(path: Path, dtype: str) -> LoadedModel:
+def _load_hf_directory(path: Path, dtype: str, device: torch.device) -> LoadedModel:
     config = read_hf_config(path)
     with ExitStack() as stack:
         handles = {file: stack.enter_context(_open_safetensors(file)) for file in _safetensors_files(path)}
-        target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_safetensors(handles.values())
+        target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_safetensors(handles.values(), device)
         state = dict(_read_tensors(handles, target))
     mark("weights")
     model = build_model(config, state, target, source=path)
     mark("model")
     tokenizer = cached_tokenizer(content_hash(path), lambda: Tokenizer.from_dir(path))
     mark("tokenizer")
-    return LoadedModel(config, model, tokenizer, path, target, path.name)
+    return LoadedModel(config, model, tokenizer, path, target, path.name, device)
 
 
-def _load_gguf_file(path: Path, dtype: str) -> LoadedModel:
+def _load_gguf_file(path: Path, dtype: str, device: torch.device) -> LoadedModel:
     from gracelm.model.gguf_loader import load_gguf
 
-    target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_gguf(path)
+    target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_gguf(path, device)
     config, state, tokenizer = load_gguf(path, dtype=target)
     model = build_model(config, state, target, source=path)
     mark("model")
-    return LoadedModel(config, model, tokenizer, path, target, path.stem)
+    return LoadedModel(config, model, tokenizer, path, target, path.stem, device)
 
 
 def build_model(
@@ -159,30 +168,32 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
-def _half_precision() -> torch.dtype:
-    """bfloat16 where the CPU computes it natively (oneDNN's bf16 kernels: AVX-512 BF16/VNNI or AMX);
-    float32 elsewhere, as on an AVX2-only CPU bfloat16 is emulated and a decode step 3-4x slower."""
+def _half_precision(device: torch.device) -> torch.dtype:
+    """bfloat16 where the device computes it natively: a GPU from Ampere on, a CPU with oneDNN's bf16
+    kernels (AVX-512 BF16/VNNI or AMX). Elsewhere float16 on a GPU, and float32 on a CPU, where bfloat16 is
+    emulated and a decode step 3-4x slower (float16 too is slow on CPU)."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
-def _auto_dtype_of_safetensors(handles: Any) -> torch.dtype:
-    """Half precision (`_half_precision`; never float16: slow on CPU) for a half-precision checkpoint,
-    float32 for a float32 one."""
+def _auto_dtype_of_safetensors(handles: Any, device: torch.device) -> torch.dtype:
+    """Half precision (`_half_precision`) for a half-precision checkpoint, float32 for a float32 one."""
     for handle in handles:
         for name in handle.keys():
             if handle.get_slice(name).get_dtype() in ("BF16", "F16"):
-                return _half_precision()
+                return _half_precision(device)
     return torch.float32
 
 
-def _auto_dtype_of_gguf(path: Path) -> torch.dtype:
+def _auto_dtype_of_gguf(path: Path, device: torch.device) -> torch.dtype:
     """float32 for an all-F32 file; quantized and half-precision files in half precision
     (`_half_precision`)."""
     from gguf import GGMLQuantizationType
 
     from gracelm.model.gguf_reader import read_gguf
 
-    half = _half_precision()
+    half = _half_precision(device)
     if half == torch.float32:  # float32 either way: spare a second parse of the header (0.1-0.4 s)
         return half
     tensors = read_gguf(path).tensors.values()
