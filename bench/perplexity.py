@@ -117,9 +117,9 @@ def gracelm_perplexity(config: EngineConfig, text: str, ctx: int, max_chunks: in
     try:
         worker.load_model()
         tokens, bos = gracelm_tokens(worker, text)
-        chunks = len(tokens) // ctx if max_chunks is None else min(max_chunks, len(tokens) // ctx)
-        if chunks < 1 or len(tokens) < 2 * ctx:  # llama-perplexity's own requirement
+        if len(tokens) < 2 * ctx:  # llama-perplexity's own requirement
             raise SystemExit(f"the text has {len(tokens)} tokens: at least {2 * ctx} are needed for -c {ctx}")
+        chunks = len(tokens) // ctx if max_chunks is None else min(max_chunks, len(tokens) // ctx)
         worker.init_kv_cache(-(-ctx // config.block_size))
         nll: list[float] = []
         started = time.perf_counter()
