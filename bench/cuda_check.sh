@@ -14,8 +14,9 @@
 #
 # The model: the default model's GGUF (98 MB) cannot travel either. The serve benchmark runs a model of its
 # exact shape (SmolLM2-135M: 30 layers, 576 wide, 9 heads over 3 KV heads, vocabulary 49,152, tied
-# embeddings) with random weights, made there by tests/tiny_models.py: the speed is the default model's,
-# the text is noise (every request generates exactly --max-tokens tokens, ignore_eos).
+# embeddings) with random weights, made there by tests/tiny_models.py, its small tokenizer given a
+# placeholder token for every id above its own (so that every sampled id decodes to text and streams): the
+# speed is the default model's, the text is noise (every request generates exactly --max-tokens tokens).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,10 +60,15 @@ summary "parity and sampler tests on cuda: $(tail -1 "$OUT/tests.log") (exit $te
 model=/tmp/gracelm-smollm2-shape
 python3 - "$model" <<'EOF' || exit 1
 import sys
+from transformers import AutoTokenizer
 from tests.tiny_models import make_tiny_model
-make_tiny_model(sys.argv[1], "llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
-                max_position_embeddings=8192, tie_word_embeddings=True)
+vocab = 49152
+directory = make_tiny_model(sys.argv[1], "llama", vocab_size=vocab, hidden_size=576, intermediate_size=1536,
+                            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                            rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+tokenizer = AutoTokenizer.from_pretrained(directory)
+tokenizer.add_tokens([f"<x{i}>" for i in range(len(tokenizer), vocab)])
+tokenizer.save_pretrained(directory)
 EOF
 port=18731
 python3 -m gracelm.entrypoints.cli serve "$model" --device cuda --dtype bfloat16 --port "$port" \
