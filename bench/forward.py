@@ -4,6 +4,7 @@
     .venv/bin/python bench/forward.py --quick                 # fewer repetitions, bfloat16 only
     .venv/bin/python bench/forward.py --dtypes bfloat16 --batches 1,64 --json out.json
     .venv/bin/python bench/forward.py --int4                  # decode: dense bf16 vs int4 vs the dispatch
+    .venv/bin/python bench/forward.py --llama-bench           # beside llama-bench -t 2 -p 512 -n 128
 
 On the default model (SmolLM2-135M-Instruct), frozen as the engine runs it (`LoadedModel.freeze()`: in
 bfloat16, its 4-bit matrices serve steps of few rows through the int4 kernel, see
@@ -21,6 +22,12 @@ and ours and transformers' alternate within each repetition, so that a busy spel
 bfloat16 weights at every batch size, with the int4 form at every batch size, and with the dispatch the
 engine uses (int4 up to `INT4_MAX_ROWS` rows), the three alternating within each repetition; read the
 ratios to dense, which is where the crossover is.
+
+`--llama-bench` is a mode of its own: gracelm's batch-1 decode and 512-token prefill per `--dtypes`, beside
+llama.cpp's `llama-bench -m GGUF -t T -p 512 -n 128` on the same file (built by `bench/serve.py
+setup-llama-cpp`), as ratios. llama-bench's tg128 decodes 128 tokens at positions 0 .. 127, so gracelm's
+decode is measured at their mean context, 64 tokens. `--llama-rounds` rounds alternate which side runs first;
+the ratio of each round is printed, and their median.
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,9 +51,13 @@ from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import FrozenLinear, set_int4_max_rows
 from gracelm.model.loader import DTYPES, LoadedModel, load_model
+from gracelm.model.model_files import default_model_path
 from gracelm.model.quantized_linear import INT4_MAX_ROWS
 
 BLOCK_SIZE = 16
+LLAMA_BENCH = Path.home() / ".cache/gracelm-bench/llama.cpp/build/bin/llama-bench"
+LLAMA_BENCH_DECODE = 128  # llama-bench -n
+LLAMA_BENCH_DECODE_CONTEXT = LLAMA_BENCH_DECODE // 2  # the mean context of its decode steps
 
 
 @dataclass
@@ -344,6 +358,65 @@ def format_table(rows: list[Row], limits: Limits, context: int, frozen: bool) ->
     return "\n".join(lines)
 
 
+# -- beside llama-bench ----------------------------------------------------------------------------------
+
+def llama_bench(binary: Path, threads: int, prefill: int) -> dict[str, float]:
+    """llama-bench's tok/s on the default model: {"decode": tg128, "prefill": pp<prefill>}."""
+    command = [str(binary), "-m", str(default_model_path()), "-t", str(threads), "-p", str(prefill),
+               "-n", str(LLAMA_BENCH_DECODE), "-o", "json"]
+    tests = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    return {"decode": next(t["avg_ts"] for t in tests if t["n_gen"] == LLAMA_BENCH_DECODE),
+            "prefill": next(t["avg_ts"] for t in tests if t["n_prompt"] == prefill and t["n_gen"] == 0)}
+
+
+def ours_beside_llama_bench(loaded: LoadedModel, args: argparse.Namespace) -> dict[str, float]:
+    """gracelm's tok/s for llama-bench's two tests: decode at batch 1, and one `args.prefill`-token prompt."""
+    decode = OursDecode(loaded, 1, LLAMA_BENCH_DECODE_CONTEXT, loaded.dtype)
+    prefill = OursPrefill(loaded, args.prefill, loaded.dtype)
+    return {"decode": 1e3 / median_ms(decode, args.repeats),
+            "prefill": args.prefill * 1e3 / median_ms(prefill, max(3, args.repeats // 2), warmup=1)}
+
+
+def compare_with_llama_bench(args: argparse.Namespace) -> list[dict]:
+    """Rounds of gracelm's figures (every dtype) and llama-bench's, the first side alternating; one row per
+    dtype and test with each round's tok/s and ratio (gracelm / llama-bench), and the median ratio."""
+    if not args.llama_bench.exists():
+        raise SystemExit(f"no llama-bench at {args.llama_bench}; run `bench/serve.py setup-llama-cpp` first")
+    models = {}
+    for dtype in args.dtypes:
+        models[dtype] = load_model(None, dtype=dtype)
+        models[dtype].model.freeze()
+    ours: list[dict[str, dict[str, float]]] = []
+    theirs: list[dict[str, float]] = []
+    for round_ in range(args.llama_rounds):
+        sides = [lambda: ours.append({d: ours_beside_llama_bench(m, args) for d, m in models.items()}),
+                 lambda: theirs.append(llama_bench(args.llama_bench, args.llama_threads, args.prefill))]
+        for side in sides if round_ % 2 == 0 else reversed(sides):
+            side()
+    rows = []
+    for dtype in args.dtypes:
+        for test in ("decode", "prefill"):
+            ratios = [o[dtype][test] / t[test] for o, t in zip(ours, theirs, strict=True)]
+            rows.append({"dtype": dtype, "test": test, "ours_tokens_per_s": [o[dtype][test] for o in ours],
+                         "llama_tokens_per_s": [t[test] for t in theirs], "ratios": ratios,
+                         "median_ratio": statistics.median(ratios)})
+    return rows
+
+
+def format_llama_bench(rows: list[dict], args: argparse.Namespace) -> str:
+    lines = [f"gracelm beside llama-bench -t {args.llama_threads} -p {args.prefill} -n {LLAMA_BENCH_DECODE} "
+             f"(tok/s per round; gracelm torch threads {torch.get_num_threads()}; decode at batch 1, context "
+             f"{LLAMA_BENCH_DECODE_CONTEXT})",
+             f"{'test':<16}{'dtype':<10}{'gracelm':>18}{'llama-bench':>18}{'gracelm/llama':>26}"]
+    for r in rows:
+        test = "decode b=1" if r["test"] == "decode" else f"prefill {args.prefill}"
+        ours = " ".join(f"{x:.1f}" for x in r["ours_tokens_per_s"])
+        theirs = " ".join(f"{x:.1f}" for x in r["llama_tokens_per_s"])
+        ratios = f"{r['median_ratio']:.2f} (" + ", ".join(f"{x:.2f}" for x in r["ratios"]) + ")"
+        lines.append(f"{test:<16}{r['dtype']:<10}{ours:>18}{theirs:>18}{ratios:>26}")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
@@ -361,6 +434,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compare decode with dense bf16, int4 and the dispatch (default batches "
                         "1,2,4,8,16,32)")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--llama-bench", nargs="?", type=Path, const=LLAMA_BENCH, default=None, metavar="BINARY",
+                   help=f"the mode beside llama-bench (default binary: {LLAMA_BENCH})")
+    p.add_argument("--llama-threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="llama-bench -t (default: the CPUs this process may run on)")
+    p.add_argument("--llama-rounds", type=int, default=2, help="rounds of the --llama-bench mode")
     args = p.parse_args(argv)
     if args.quick:
         args.dtypes, args.repeats = "bfloat16", 3
@@ -369,6 +447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown dtype {', '.join(unknown)}; choose among {', '.join(DTYPES)}")
     args.batches = int_list(args.batches or ("1,2,4,8,16,32" if args.int4 else "1,16,64"))
+    if args.llama_bench is not None and (args.prefill < 1 or args.llama_rounds < 1):
+        p.error("--llama-bench needs --prefill and --llama-rounds of at least 1")
     return args
 
 
@@ -394,6 +474,12 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.json, "w") as f:
                 json.dump({"context": args.context, "threads": torch.get_num_threads(), "int4_max_rows":
                            INT4_MAX_ROWS, "rows": [asdict(r) for r in kernel_rows]}, f, indent=2)
+        return
+    if args.llama_bench is not None:
+        rows = compare_with_llama_bench(args)
+        print(format_llama_bench(rows, args))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"llama_bench": rows}, indent=2))
         return
     dtypes = sorted({"float32", "bfloat16", *args.dtypes})
     before = measure_limits(dtypes, max(5, args.repeats))

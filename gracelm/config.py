@@ -119,6 +119,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # "auto": a GGUF file's 4-bit blocks (Q4_0, Q4_1) also serve, as they are, steps of few rows through the int4
 # kernel where the model runs in bfloat16; "none": dense weights for every step.
 QUANTIZATION_CHOICES = ("auto", "none")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -128,11 +129,15 @@ class EngineConfig:
 
     model: str | None = option(None, "a Hugging Face model directory or a .gguf file (default: "
                                      "SmolLM2-135M-Instruct)")
-    dtype: str = option("auto", "weights and activations dtype", choices=DTYPE_CHOICES)
+    dtype: str = option("auto", "weights and activations dtype (auto: the checkpoint's precision; half "
+                                "precision as bfloat16 where the device computes it natively)",
+                        choices=DTYPE_CHOICES)
     quantization: str = option("auto", "low-bit weight kernels: auto (a GGUF file's 4-bit blocks serve "
                                        "decode steps of few sequences where the model runs in bfloat16, "
                                        "dense weights the rest), none (dense weights only)",
                                choices=QUANTIZATION_CHOICES)
+    device: str = option("auto", "where the model, KV cache and sampler run (auto: cuda when torch sees a "
+                                 "GPU and tensor_parallel_size is 1, else cpu)", choices=DEVICE_CHOICES)
     tensor_parallel_size: int = option(1, "ranks the model is split over (heads and MLP width must divide "
                                           "by it)", check=at_least(1))
     max_model_len: int | None = option(None, "prompt plus output tokens of one request (default: the "
@@ -172,6 +177,10 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("dist_init_addr (HOST:PORT) is required when nnodes > 1")
+        # The ranks' collectives run over gloo on CPU tensors: CUDA ranks would need NCCL, not built.
+        if self.device == "cuda" and self.tensor_parallel_size > 1:
+            raise ValueError("device cuda (--device) is not supported with tensor_parallel_size > 1 yet: the "
+                             "ranks' collectives run on the CPU")
         self._check_kv_cache_dir()
 
     def _check_kv_cache_dir(self) -> None:

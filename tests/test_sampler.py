@@ -1,4 +1,5 @@
-"""The sampler against straightforward per-row references: penalties, filters, draws and logprobs."""
+"""The sampler against straightforward per-row references: penalties, filters, draws and logprobs. It runs on
+`GRACELM_TEST_DEVICE` (`tests/devices.py`); the references on the CPU."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from gracelm.model.sampler import SamplingMetadata, make_generator, sample
+from gracelm.model.sampler import SamplerOutput, SamplingMetadata, make_generator, sample
 from gracelm.sampling_params import SamplingParams
+from tests.devices import TEST_DEVICE
 
 
 def _meta(params: list[SamplingParams], vocab_size: int, generators=None, prompts=None, outputs=None,
@@ -20,15 +22,20 @@ def _meta(params: list[SamplingParams], vocab_size: int, generators=None, prompt
                                   default_generator=default_generator)
 
 
+def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    return sample(logits.to(TEST_DEVICE), meta)
+
+
 def _distribution(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """[B, V] what each random row may draw, unnormalised, gathered from its group's candidates."""
+    logits, meta = logits.to(TEST_DEVICE), meta.to(TEST_DEVICE)
     dense = torch.zeros_like(logits)
     for group in meta.groups:
-        rows = torch.arange(meta.num_rows) if group.rows is None else group.rows
+        rows = torch.arange(meta.num_rows, device=TEST_DEVICE) if group.rows is None else group.rows
         for c in group.candidates(logits[rows].clone()):
             target = rows if c.rows is None else rows[c.rows]
             dense[target] = c.probs if c.token_ids is None else dense[target].scatter(1, c.token_ids, c.probs)
-    return dense
+    return dense.cpu()
 
 
 def _reference_kept(logits: list[float], p: SamplingParams) -> set[int]:
@@ -65,7 +72,7 @@ def _reference_penalised(logits: list[float], p: SamplingParams, prompt: list[in
 def test_greedy_is_argmax_of_the_logits():
     logits = torch.randn(5, 1000, generator=make_generator(0))
     meta = _meta([SamplingParams(temperature=0.0)] * 5, 1000)
-    out = sample(logits.clone(), meta)
+    out = _sample(logits.clone(), meta)
     assert meta.all_greedy and meta.penalties is None and not meta.groups
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
     assert out.logprobs is None and out.top_logprobs is None
@@ -87,7 +94,7 @@ def _seeded_run(target_row: int, mates: list[SamplingParams], steps: int = 8) ->
         logits[target_row] = own
         meta = _meta(params, vocab, generators, prompts=[[1, 2, 3]] * len(params),
                      outputs=[[4, 4, step]] * len(params), default_generator=make_generator(len(mates)))
-        tokens.append(int(sample(logits, meta).token_ids[target_row]))
+        tokens.append(int(_sample(logits, meta).token_ids[target_row]))
     return tokens
 
 
@@ -108,7 +115,7 @@ def test_different_seeds_draw_differently():
     logits = torch.zeros(2, 1000)
     meta = _meta([SamplingParams(seed=1), SamplingParams(seed=2)], 1000,
                  [make_generator(1), make_generator(2)])
-    first, second = sample(logits, meta).token_ids.tolist()
+    first, second = _sample(logits, meta).token_ids.tolist()
     assert first != second
 
 
@@ -167,7 +174,7 @@ def test_penalties_match_the_reference(params):
         expected = _reference_penalised(logits[row].tolist(), rows[row], prompts[row], outputs[row])
         assert torch.allclose(penalised[row], torch.tensor(expected), atol=1e-5), f"row {row}"
     assert torch.equal(penalised[2], logits[2])
-    assert torch.equal(sample(logits.clone(), meta).token_ids, penalised.argmax(dim=-1))
+    assert torch.equal(_sample(logits.clone(), meta).token_ids, penalised.argmax(dim=-1))
 
 
 def test_no_penalty_builds_no_penalty_state():
@@ -186,7 +193,7 @@ def test_sampled_frequencies_follow_the_filtered_distribution(params):
     unseeded, seeded = 6000, 2000
     generators = [None] * unseeded + [make_generator(seed) for seed in range(seeded)]
     meta = _meta([params] * len(generators), vocab, generators, default_generator=make_generator(9))
-    tokens = sample(logits.repeat(len(generators), 1), meta).token_ids
+    tokens = _sample(logits.repeat(len(generators), 1), meta).token_ids
     for drawn in (tokens[:unseeded], tokens[unseeded:]):
         frequencies = torch.bincount(drawn, minlength=vocab).float() / drawn.numel()
         assert frequencies[expected == 0].sum() == 0
@@ -202,7 +209,7 @@ def test_logprobs_are_those_of_the_raw_logits():
             SamplingParams(temperature=1.0, logprobs=0, presence_penalty=2.0),
             SamplingParams(temperature=0.0)]
     meta = _meta(rows, vocab, [None, make_generator(1), None, None], outputs=[[1, 2], [3], [4, 4], []])
-    out = sample(logits.clone(), meta)
+    out = _sample(logits.clone(), meta)
     raw = torch.log_softmax(logits, dim=-1)
     assert torch.allclose(out.logprobs, raw.gather(1, out.token_ids.unsqueeze(1)).squeeze(1), atol=1e-6)
     assert out.top_logprob_ids.shape == out.top_logprobs.shape == (4, 5)
@@ -213,7 +220,7 @@ def test_logprobs_are_those_of_the_raw_logits():
 
 
 def test_logprobs_zero_returns_the_sampled_logprob_only():
-    out = sample(torch.randn(2, 30), _meta([SamplingParams(logprobs=0), SamplingParams()], 30))
+    out = _sample(torch.randn(2, 30), _meta([SamplingParams(logprobs=0), SamplingParams()], 30))
     assert out.logprobs is not None and out.logprobs.shape == (2,)
     assert out.top_logprob_ids is None and out.top_logprobs is None
 
@@ -228,12 +235,12 @@ def test_mixed_batch_in_one_call():
             SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1.4),
             SamplingParams(temperature=0.0),
             SamplingParams(temperature=1.1, top_p=0.3, min_p=0.1)]
-    out = sample(logits.clone(), _meta(rows, vocab, [None, make_generator(99), None, None, None],
+    out = _sample(logits.clone(), _meta(rows, vocab, [None, make_generator(99), None, None, None],
                                        prompts, outputs, make_generator(0)))
     penalised = _reference_penalised(logits[0].tolist(), rows[0], prompts[0], outputs[0])
     assert out.token_ids[0] == max(range(vocab), key=lambda i: penalised[i])
     assert out.token_ids[0] != logits[0].argmax()  # the penalty did move the greedy choice
-    alone = sample(logits[1:2].clone(), _meta([rows[1]], vocab, [make_generator(99)]))
+    alone = _sample(logits[1:2].clone(), _meta([rows[1]], vocab, [make_generator(99)]))
     assert out.token_ids[1] == alone.token_ids[0]
     third = _reference_penalised(logits[2].tolist(), rows[2], prompts[2], outputs[2])
     assert int(out.token_ids[2]) in _reference_kept(third, rows[2])
@@ -246,7 +253,7 @@ def test_inconsistent_inputs_are_refused():
     with pytest.raises(ValueError, match="one entry per row"):
         SamplingMetadata.build([SamplingParams()], [], [[]], [[]], 10)
     with pytest.raises(ValueError, match="shape"):
-        sample(torch.zeros(2, 11), _meta([SamplingParams(), SamplingParams()], 10))
+        _sample(torch.zeros(2, 11), _meta([SamplingParams(), SamplingParams()], 10))
 
 
 EXTREME = [
@@ -267,7 +274,7 @@ def test_every_accepted_value_samples_a_valid_token(params):
     seen = [[1, 2, 3, 2]] * 4
     meta = _meta([params] * 4, vocab, generators=[None, make_generator(1), None, make_generator(2)],
                  prompts=seen, outputs=seen)
-    out = sample(logits.clone(), meta)
+    out = _sample(logits.clone(), meta)
     assert out.token_ids.shape == (4,) and bool(((out.token_ids >= 0) & (out.token_ids < vocab)).all())
     if params.temperature < 1e-5:  # greedy: the argmax of the penalised logits
         penalised = torch.tensor([_reference_penalised(row.tolist(), params, seen[0], seen[0])
@@ -287,11 +294,11 @@ def test_non_finite_logits_stay_in_their_row():
               SamplingParams(temperature=0.0, logprobs=3)]
     clean = logits[[0, 4]].clone()
     generators = [make_generator(5), None, None, None, None]
-    out = sample(logits.clone(), _meta(params, vocab, generators=generators))
+    out = _sample(logits.clone(), _meta(params, vocab, generators=generators))
     tokens = out.token_ids.tolist()
     assert all(0 <= t < vocab for t in tokens) and tokens[2] == 7
     # The healthy rows sample exactly as they would alone.
-    alone = sample(clean.clone(), _meta([params[0], params[4]], vocab, generators=[make_generator(5), None]))
+    alone = _sample(clean.clone(), _meta([params[0], params[4]], vocab, generators=[make_generator(5), None]))
     assert [tokens[0], tokens[4]] == alone.token_ids.tolist()
     assert out.logprobs is not None and bool(torch.isfinite(out.logprobs).all())
     assert out.top_logprobs is not None and bool(torch.isfinite(out.top_logprobs).all())

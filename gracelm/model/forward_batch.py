@@ -28,13 +28,17 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [K] int64, rows of T whose logits are returned (e.g. each last token)
 
     @classmethod
-    def from_step_batch(cls, batch: StepBatch) -> ForwardBatch:
+    def from_step_batch(cls, batch: StepBatch, device: torch.device | str = "cpu") -> ForwardBatch:
+        """The batch's tensors on `device`, where the model and its KV cache are."""
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
         return cls(
-            input_ids=torch.tensor(batch.input_ids, dtype=torch.int64),
-            positions=torch.tensor(batch.positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64),
+            input_ids=tensor(batch.input_ids),
+            positions=tensor(batch.positions),
+            slot_mapping=tensor(batch.slot_mapping),
             query_lens=batch.query_lens,
             seq_lens=batch.seq_lens,
-            block_tables=torch.tensor(batch.block_tables, dtype=torch.int64),
-            logits_indices=torch.tensor(batch.logits_indices, dtype=torch.int64),
+            block_tables=tensor(batch.block_tables),
+            logits_indices=tensor(batch.logits_indices),
         )

@@ -1,9 +1,10 @@
 """Loads a model: a Hugging Face directory (config.json + safetensors) or a single GGUF file.
 
 The module is built on the `meta` device and the checkpoint's tensors are assigned into it, so weights exist
-once in memory (cast only when the requested dtype differs from the file's). A GGUF file's 4-bit matrices
-are also loaded in the int4 kernel's form (`quantization`), a second copy for steps of few rows: the
-default model's dense bfloat16 weights take 270 MB, their int4 form 66 MB more.
+once in memory (cast only when the requested dtype differs from the file's). On another device than the CPU
+the built module is then moved there (`model/device.py` resolves which). A GGUF file's 4-bit matrices
+are also loaded in the int4 kernel's form (`quantization`; CPU only), a second copy for steps of few rows:
+the default model's dense bfloat16 weights take 270 MB, their int4 form 66 MB more.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     name: str
+    device: torch.device
     # The 4-bit forms of some weights, by name, until `freeze` hands them to the model.
     int4: dict[str, Int4Linear] = field(default_factory=dict)
 
@@ -65,57 +67,68 @@ class LoadedModel:
 
 
 def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
-               quantization: str = "auto") -> LoadedModel:
-    """Loads weights, config and tokenizer; `path=None` is the default model (SmolLM2-135M-Instruct GGUF).
+               quantization: str = "auto", device: torch.device | str = "cpu") -> LoadedModel:
+    """Loads weights, config and tokenizer onto `device`; `path=None` is the default model
+    (SmolLM2-135M-Instruct GGUF).
 
     `quantization` (`config.QUANTIZATION_CHOICES`): "auto" also loads a GGUF file's 4-bit blocks in the int4
-    kernel's form where the model runs in bfloat16 (`quantized_linear.int4_kernel_fits`); "none" loads dense
-    weights only."""
+    kernel's form where the model runs in bfloat16 on the CPU (`quantized_linear.int4_kernel_fits`); "none"
+    loads dense weights only."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATION_CHOICES:
         choices = ", ".join(QUANTIZATION_CHOICES)
         raise ModelLoadError(f"unsupported quantization {quantization!r}; choose {choices}")
     path = resolve_model_path(path)
-    return _load_hf_directory(path, dtype) if path.is_dir() else _load_gguf_file(path, dtype, quantization)
+    device = torch.device(device)
+    if path.is_dir():
+        loaded = _load_hf_directory(path, dtype, device)
+    else:
+        loaded = _load_gguf_file(path, dtype, quantization, device)
+    if device.type != "cpu":
+        loaded.model.to(device)
+    return loaded
 
 
-def _load_hf_directory(path: Path, dtype: str) -> LoadedModel:
+def _load_hf_directory(path: Path, dtype: str, device: torch.device) -> LoadedModel:
     config = read_hf_config(path)
     with ExitStack() as stack:
         handles = {file: stack.enter_context(_open_safetensors(file)) for file in _safetensors_files(path)}
-        target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_safetensors(handles.values())
+        target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_safetensors(handles.values(), device)
         state = dict(_read_tensors(handles, target))
     mark("weights")
     model = build_model(config, state, target, source=path)
     mark("model")
     tokenizer = cached_tokenizer(content_hash(path), lambda: Tokenizer.from_dir(path))
     mark("tokenizer")
-    return LoadedModel(config, model, tokenizer, path, target, path.name)
+    return LoadedModel(config, model, tokenizer, path, target, path.name, device)
 
 
-def _load_gguf_file(path: Path, dtype: str, quantization: str) -> LoadedModel:
+def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.device) -> LoadedModel:
     from gracelm.model.gguf_loader import open_gguf
 
     model_file = open_gguf(path)
-    target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_gguf(model_file.gguf)
+    target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_gguf(model_file.gguf, device)
     tokenizer = model_file.tokenizer()
     mark("tokenizer")
     state = model_file.weights(target)
-    int4 = _int4_weights(model_file, target, quantization)
+    int4 = _int4_weights(model_file, target, quantization, device)
     mark("weights")
     model = build_model(model_file.config, state, target, source=path)
     mark("model")
-    return LoadedModel(model_file.config, model, tokenizer, path, target, path.stem, int4)
+    return LoadedModel(model_file.config, model, tokenizer, path, target, path.stem, device, int4)
 
 
-def _int4_weights(model_file: GGUFModel, dtype: torch.dtype, quantization: str) -> dict[str, Int4Linear]:
-    """The file's 4-bit matrices in the int4 kernel's form, where `quantization` asks and the kernel fits."""
+def _int4_weights(model_file: GGUFModel, dtype: torch.dtype, quantization: str,
+                  device: torch.device) -> dict[str, Int4Linear]:
+    """The file's 4-bit matrices in the int4 kernel's form, where `quantization` asks and the kernel fits
+    (torch's int4 kernel used here is the CPU one)."""
     if quantization == "none" or not model_file.int4_matrices():
         return {}
-    if not int4_kernel_fits(dtype):
-        logger.info("%s: its 4-bit matrices are served dequantized, in %s: the int4 kernel takes bfloat16 "
-                    "activations only", model_file.gguf.path, str(dtype).removeprefix("torch."))
+    if device.type != "cpu" or not int4_kernel_fits(dtype):
+        logger.info("%s: its 4-bit matrices are served dequantized, in %s on %s: the int4 kernel takes "
+                    "bfloat16 activations on the CPU only", model_file.gguf.path,
+                    str(dtype).removeprefix("torch."), device)
         return {}
     return model_file.int4_weights()
 
@@ -198,26 +211,28 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
-def _half_precision() -> torch.dtype:
-    """bfloat16 where the CPU computes it natively (oneDNN's bf16 kernels: AVX-512 BF16/VNNI or AMX);
-    float32 elsewhere, as on an AVX2-only CPU bfloat16 is emulated and a decode step 3-4x slower."""
+def _half_precision(device: torch.device) -> torch.dtype:
+    """bfloat16 where the device computes it natively: a GPU from Ampere on, a CPU with oneDNN's bf16
+    kernels (AVX-512 BF16/VNNI or AMX). Elsewhere float16 on a GPU, and float32 on a CPU, where bfloat16 is
+    emulated and a decode step 3-4x slower (float16 too is slow on CPU)."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
-def _auto_dtype_of_safetensors(handles: Any) -> torch.dtype:
-    """Half precision (`_half_precision`; never float16: slow on CPU) for a half-precision checkpoint,
-    float32 for a float32 one."""
+def _auto_dtype_of_safetensors(handles: Any, device: torch.device) -> torch.dtype:
+    """Half precision (`_half_precision`) for a half-precision checkpoint, float32 for a float32 one."""
     for handle in handles:
         for name in handle.keys():
             if handle.get_slice(name).get_dtype() in ("BF16", "F16"):
-                return _half_precision()
+                return _half_precision(device)
     return torch.float32
 
 
-def _auto_dtype_of_gguf(gguf: GGUFFile) -> torch.dtype:
+def _auto_dtype_of_gguf(gguf: GGUFFile, device: torch.device) -> torch.dtype:
     """float32 for an all-F32 file; quantized and half-precision files in half precision
     (`_half_precision`)."""
     from gguf import GGMLQuantizationType
 
     all_f32 = all(t.ggml_type == GGMLQuantizationType.F32 for t in gguf.tensors.values())
-    return torch.float32 if all_f32 else _half_precision()
+    return torch.float32 if all_f32 else _half_precision(device)

@@ -17,7 +17,7 @@ def prompt_logprobs(logits: torch.Tensor, rows: list[PromptRows]) -> dict[str, P
     """`logits` [R, V] holds the rows of `rows` in order (R is the sum of their `target_ids`' lengths)."""
     if not rows:
         return {}
-    targets = torch.tensor([t for r in rows for t in r.target_ids], dtype=torch.int64)
+    targets = torch.tensor([t for r in rows for t in r.target_ids], dtype=torch.int64, device=logits.device)
     num_top = max(r.num_top for r in rows)
     chosen, ranks, top_values, top_ids = [], [], [], []
     for start in range(0, logits.shape[0], _PIECE_ROWS):

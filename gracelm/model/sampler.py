@@ -20,6 +20,11 @@ race, `argmax(probs / Exp(1))`, needs a vocabulary's worth of random numbers per
 for V = 49,152 on a 2-core CPU, 11 ms as `-log(uniform)` and 60 ms with `exponential_`, where a plain
 temperature step of this sampler takes about 4 ms in all.)
 
+Device. The sampler runs where the logits are. The metadata is built on the CPU (from Python lists) and
+copied to the logits' device once per step (`SamplingMetadata.to`); the uniform numbers are drawn on the CPU
+from the CPU generators, so a seed gives the same draws on every device; the results come back to the CPU,
+where the engine reads them.
+
 Logprobs are those of the model's raw distribution: `log_softmax` of the logits before penalties,
 temperature and filters, as vLLM returns by default.
 
@@ -33,8 +38,10 @@ NaN or infinity).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +55,7 @@ _PREFIX_GROWTH = 8
 # The smallest repetition penalty applied: logits (tens) divided by it, then by GREEDY_BELOW, stay finite.
 _MIN_REPETITION_PENALTY = 1e-30
 _FLOAT_MAX = torch.finfo(torch.float32).max
+_Moved = TypeVar("_Moved")
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -149,7 +157,7 @@ class SamplingGroup:
     top_p: torch.Tensor | None  # [n], 1.0 where off
     min_p: torch.Tensor | None  # [n, 1], 0.0 where off
     seeded: list[tuple[int, torch.Generator]]  # (row of the group, its own generator)
-    unseeded: torch.Tensor | None  # rows of the group drawing from the default generator; None: all
+    unseeded: list[int] | None  # rows of the group drawing from the default generator; None: all
 
     @classmethod
     def build(cls, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -163,7 +171,7 @@ class SamplingGroup:
             top_p=_column([p.top_p for p in params], any(p.top_p < 1.0 for p in params)),
             min_p=_column([[p.min_p] for p in params], any(p.min_p > 0.0 for p in params)),
             seeded=seeded,
-            unseeded=_column([i for i, g in enumerate(generators) if g is None], bool(seeded), torch.int64),
+            unseeded=[i for i, g in enumerate(generators) if g is None] if seeded else None,
         )
 
     def candidates(self, logits: torch.Tensor) -> list[Candidates]:
@@ -176,8 +184,8 @@ class SamplingGroup:
 
     def sample(self, logits: torch.Tensor, default_generator: torch.Generator | None) -> torch.Tensor:
         """[n] token ids for the group's rows."""
-        uniform = self._uniform(logits.shape[0], default_generator)
-        tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+        uniform = self._uniform(logits.shape[0], default_generator).to(logits.device)
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         for c in self.candidates(logits):
             drawn = _invert_cdf(c.probs, uniform if c.rows is None else uniform[c.rows])
             if c.token_ids is not None:
@@ -189,11 +197,12 @@ class SamplingGroup:
         return tokens
 
     def _uniform(self, n: int, default_generator: torch.Generator | None) -> torch.Tensor:
+        """[n] draws on the CPU, where the generators are."""
         uniform = torch.empty(n)
         if self.unseeded is None:
             uniform.uniform_(generator=default_generator)
-        elif self.unseeded.numel():
-            uniform[self.unseeded] = torch.rand(self.unseeded.numel(), generator=default_generator)
+        elif self.unseeded:
+            uniform[self.unseeded] = torch.rand(len(self.unseeded), generator=default_generator)
         for row, generator in self.seeded:
             uniform[row] = torch.rand(1, generator=generator)
         return uniform
@@ -228,8 +237,9 @@ def _prefixes(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Ten
     once its prefix holds `top_p` of the mass, measured against the whole vocabulary's.
     """
     num_rows, vocab_size = logits.shape
-    k = top_k if top_k is not None else torch.full((num_rows,), vocab_size, dtype=torch.int64)
-    p = top_p if top_p is not None else torch.ones(num_rows)
+    device = logits.device
+    k = top_k if top_k is not None else torch.full((num_rows,), vocab_size, dtype=torch.int64, device=device)
+    p = top_p if top_p is not None else torch.ones(num_rows, device=device)
     has_k = k < vocab_size
     log_total = None if bool(has_k.all()) else torch.logsumexp(logits, dim=-1, keepdim=True)
     width = min(vocab_size, max(_PREFIX, int(k[has_k].max()) if bool(has_k.any()) else 0))
@@ -259,7 +269,7 @@ def _prefix(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch
     """The filtered probabilities of each row's `width` most probable tokens, their ids, and which rows
     that prefix resolves."""
     values, token_ids = logits.topk(width, dim=-1)
-    column = torch.arange(width)
+    column = torch.arange(width, device=logits.device)
     has_k = k < vocab_size
     values = torch.where(column < k.unsqueeze(1), values, -torch.inf)
     log_kept = torch.logsumexp(values, dim=-1, keepdim=True)
@@ -324,6 +334,25 @@ class SamplingMetadata:
             max_num_logprobs=max(asked) if asked else None, default_generator=default_generator,
         )
 
+    def to(self, device: torch.device) -> SamplingMetadata:
+        """The metadata with its tensors on `device` (itself on the CPU)."""
+        return self if device.type == "cpu" else _moved(self, device)
+
+
+def _moved(value: _Moved, device: torch.device) -> _Moved:
+    """A copy of a sampler dataclass whose tensors, and those of the dataclasses it holds (alone or in a
+    list), are on `device`; the generators stay on the CPU, where the draws are made."""
+    changes = {}
+    for field in dataclasses.fields(value):
+        item = getattr(value, field.name)
+        if isinstance(item, torch.Tensor):
+            changes[field.name] = item.to(device)
+        elif dataclasses.is_dataclass(item):
+            changes[field.name] = _moved(item, device)
+        elif isinstance(item, list) and item and dataclasses.is_dataclass(item[0]):
+            changes[field.name] = [_moved(entry, device) for entry in item]
+    return dataclasses.replace(value, **changes)
+
 
 def _groups(params: list[SamplingParams], generators: list[torch.Generator | None],
             vocab_size: int) -> list[SamplingGroup]:
@@ -348,11 +377,13 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Samples one token per row of `logits` [B, V]; float32 contiguous logits are overwritten in place.
 
     Logprobs are computed for every row as soon as one row asks; a row reads its own top-n as a prefix.
+    Runs on the logits' device; the output is on the CPU.
     """
     if logits.shape != (meta.num_rows, meta.vocab_size):
         raise ValueError(f"sample: logits of shape {tuple(logits.shape)} for a batch of "
                          f"{meta.num_rows} rows over {meta.vocab_size} tokens")
     logits = logits.float().contiguous()
+    meta = meta.to(logits.device)
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(nan=-_FLOAT_MAX, neginf=-_FLOAT_MAX)
@@ -364,7 +395,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     if meta.all_greedy:
         token_ids = logits.argmax(dim=-1)
     else:
-        token_ids = torch.empty(meta.num_rows, dtype=torch.int64)
+        token_ids = torch.empty(meta.num_rows, dtype=torch.int64, device=logits.device)
         if meta.greedy_rows is not None:
             token_ids[meta.greedy_rows] = logits[meta.greedy_rows].argmax(dim=-1)
         for group in meta.groups:
@@ -377,10 +408,11 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
 
 def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
                    max_num_logprobs: int | None) -> SamplerOutput:
+    """The output, on the CPU."""
     if raw_logprobs is None:
-        return SamplerOutput(token_ids, None, None, None)
+        return SamplerOutput(token_ids.cpu(), None, None, None)
     sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     if not max_num_logprobs:
-        return SamplerOutput(token_ids, sampled, None, None)
+        return SamplerOutput(token_ids.cpu(), sampled.cpu(), None, None)
     top = raw_logprobs.topk(max_num_logprobs, dim=-1)
-    return SamplerOutput(token_ids, sampled, top.indices, top.values)
+    return SamplerOutput(token_ids.cpu(), sampled.cpu(), top.indices.cpu(), top.values.cpu())

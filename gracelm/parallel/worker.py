@@ -34,6 +34,7 @@ import torch
 from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
+from gracelm.model.device import resolve_device
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import describe_linear_kernels
 from gracelm.model.loader import LoadedModel, load_model
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 # the batch sizes such a machine can compute.
 _DEFAULT_KV_SHARE = 0.25
 _DEFAULT_KV_CAP = 2**30
+# On a GPU the cache is most of what the device memory left after the weights is for; the rest is kept for the
+# forward pass's activations and the sampler. (The cap of blocks that `max_num_seqs` full-length requests
+# can use still applies: `EngineCore._size_kv_cache`.)
+_DEFAULT_GPU_KV_SHARE = 0.8
 
 
 class Worker:
@@ -58,6 +63,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        self.device = resolve_device(config.device, config.tensor_parallel_size)
         self.loaded: LoadedModel | None = None
         self.shard: TensorParallelModel | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -80,7 +86,7 @@ class Worker:
         local_ranks = self.world_size // self.config.nnodes
         share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
         torch.set_num_threads(self.config.num_threads or share)
-        self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization)
+        self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization, self.device)
         # Freezing fuses and repacks the HF-named linears, so it comes last: after sharding, which splits them
         # (the tensor-parallel shard freezes itself once split).
         if self.world_size > 1:
@@ -109,6 +115,8 @@ class Worker:
         """How many blocks the KV cache may take, from `kv_cache_memory` or the default share."""
         if self.config.kv_cache_memory is not None:
             budget = parse_size(self.config.kv_cache_memory)
+        elif self.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(self.device)[0] * _DEFAULT_GPU_KV_SHARE)
         else:
             budget = min(int(psutil.virtual_memory().available * _DEFAULT_KV_SHARE), _DEFAULT_KV_CAP)
         return budget // self.kv_block_bytes()
@@ -117,14 +125,14 @@ class Worker:
         assert self.loaded is not None
         self.num_kv_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
-                                           self.loaded.dtype)
+                                           self.loaded.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """The step's logits (None on a rank other than 0 of a tensor-parallel group)."""
         assert self.loaded is not None
         model = self.shard if self.shard is not None else self.loaded.model
-        return model(ForwardBatch.from_step_batch(batch), self.kv_caches)
+        return model(ForwardBatch.from_step_batch(batch, self.device), self.kv_caches)
 
     @torch.inference_mode()
     def sample_step(self, step: ModelStep) -> StepResult:
@@ -232,18 +240,19 @@ class Worker:
     @torch.no_grad()
     def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
         """The contents of these blocks, each as one `kv_block_bytes()` string: every layer's K and V."""
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         # [blocks, 2, kv_heads, block_size, head_dim] of each layer, as bytes, side by side per block.
         layers = [cache.index_select(2, ids).permute(2, 0, 1, 3, 4).contiguous().view(torch.uint8)
                   .reshape(len(block_ids), -1) for cache in self.kv_caches]
-        rows = torch.cat(layers, dim=1).numpy()
+        rows = torch.cat(layers, dim=1).cpu().numpy()
         return [row.tobytes() for row in rows]
 
     @torch.no_grad()
     def write_kv_blocks(self, block_ids: list[int], contents: list[bytes]) -> None:
         """Fills these blocks with contents `read_kv_blocks` gave (of a cache of the same layout)."""
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         rows = torch.frombuffer(bytearray(b"".join(contents)), dtype=torch.uint8).reshape(len(block_ids), -1)
+        rows = rows.to(self.device)
         per_layer = rows.shape[1] // len(self.kv_caches)
         for index, cache in enumerate(self.kv_caches):
             _, heads, _, block_size, head_dim = cache.shape
@@ -286,4 +295,4 @@ def _hold_stop_tokens(logits: torch.Tensor, held: list[list[int]]) -> None:
     logprobs, if asked, read as impossible too)."""
     pairs = [(row, t) for row, ids in enumerate(held) for t in ids if t < logits.shape[1]]
     if pairs:
-        logits[torch.tensor(pairs, dtype=torch.int64).unbind(1)] = -torch.inf
+        logits[torch.tensor(pairs, dtype=torch.int64, device=logits.device).unbind(1)] = -torch.inf
