@@ -5,6 +5,7 @@ engine option selects)?
     .venv/bin/python bench/perplexity.py                          # float32 and bfloat16, -c 512, llama.cpp
     .venv/bin/python bench/perplexity.py --dtypes bfloat16 --chunks 8 --json ppl.json
     .venv/bin/python bench/perplexity.py --dtypes bfloat16 --device cuda --no-llama
+    .venv/bin/python bench/perplexity.py --dtypes bfloat16 --int4-every-row   # the 4-bit path of small steps
 
 The protocol is llama-perplexity's default (`tools/perplexity/perplexity.cpp`, `perplexity()`): the text,
 less one trailing newline (as its `-f` reads a file), is tokenized with the vocabulary's own rule for special
@@ -16,8 +17,9 @@ per chunk. Perplexity = exp(mean negative log-likelihood); each log-softmax is t
 
 gracelm's side runs the model as the engine core does, through `parallel/worker.py:Worker`: loaded, frozen
 and placed by the same code, so every engine option applies (`--dtypes` sets `--dtype` per run; `--device`,
-`--num-threads`, and any weight option such as the 4-bit path's `--quantization` once it exists). Each chunk
-is one forward pass over the paged KV cache (`Worker.forward`), with the scored positions as its logits
+`--num-threads`, `--quantization`). A chunk is a step of `c` rows, so its linears take the dense weights;
+`--int4-every-row` scores through the 4-bit kernel that decode steps of few sequences use. Each chunk is
+one forward pass over the paged KV cache (`Worker.forward`), with the scored positions as its logits
 rows: the model's own numerics, with no scheduler, sampler or HTTP in between (the engine's prompt logprobs
 come from the same logits, through `log_softmax` in float32).
 
@@ -50,6 +52,7 @@ from serve import LLAMA_DIR, Server, free_port
 
 from gracelm import options
 from gracelm.config import DTYPE_CHOICES, EngineConfig
+from gracelm.model.llama import describe_linear_kernels, set_int4_max_rows
 from gracelm.model.model_files import resolve_model_path
 from gracelm.model_step import StepBatch
 from gracelm.parallel.worker import Worker
@@ -112,10 +115,12 @@ def chunk_nll(logits: torch.Tensor, targets: list[int]) -> list[float]:
 
 
 def gracelm_perplexity(config: EngineConfig, text: str, ctx: int, max_chunks: int | None,
-                       ) -> tuple[Perplexity, list[int]]:
+                       int4_every_row: bool = False) -> tuple[Perplexity, list[int]]:
     worker = Worker(config)
     try:
         worker.load_model()
+        if int4_every_row:  # a chunk has ctx rows: without this, the dense weights would score it
+            set_int4_max_rows(worker.loaded.model, sys.maxsize)
         tokens, bos = gracelm_tokens(worker, text)
         if len(tokens) < 2 * ctx:  # llama-perplexity's own requirement
             raise SystemExit(f"the text has {len(tokens)} tokens: at least {2 * ctx} are needed for -c {ctx}")
@@ -129,6 +134,8 @@ def gracelm_perplexity(config: EngineConfig, text: str, ctx: int, max_chunks: in
             nll += chunk_nll(logits, chunk[ctx // 2 + 1:])
         dtype = str(worker.loaded.dtype).removeprefix("torch.")
         label = f"gracelm {dtype} on {worker.device}{describe_options(config)}"
+        if int4_every_row:
+            label += f" ({describe_linear_kernels(worker.loaded.model)})"
         return perplexity_of(nll, label, chunks, time.perf_counter() - started), tokens
     finally:
         worker.free_kv_cache()
@@ -205,6 +212,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="folder of llama-perplexity and llama-server (default: setup-llama-cpp's)")
     p.add_argument("--llama-threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--no-llama", dest="llama", action="store_false", help="gracelm only")
+    p.add_argument("--int4-every-row", action="store_true",
+                   help="score through the int4 kernel at every row (what decode steps of few sequences "
+                        "use), where the model has 4-bit weights, not the dense ones a whole chunk takes")
     p.add_argument("--json", type=Path, help="also write the results here")
     options.add_arguments(p.add_argument_group("gracelm engine options"), EngineConfig)
     args = p.parse_args(argv)
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     tokens: list[int] = []
     for config in configs:
-        result, tokens = gracelm_perplexity(config, text, args.ctx, args.chunks)
+        result, tokens = gracelm_perplexity(config, text, args.ctx, args.chunks, args.int4_every_row)
         print(format_row(result), flush=True)
         results.append(result)
     if args.llama and gguf.suffix == ".gguf":
