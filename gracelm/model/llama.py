@@ -160,16 +160,31 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj.split(x)
+        if self.qkv_proj is not None and not self.qk_norm:
+            q, k, v = self._fused_qkv_with_rope(x, cos, sin)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k, v = (t.view(tokens, -1, self.head_dim) for t in (q, k, v))
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj.split(x)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (t.view(x.shape[0], -1, self.head_dim) for t in (q, k, v))
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.o_proj(paged_attention(q, k, v, kv_cache, meta))
+
+    def _fused_qkv_with_rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v [T, heads, head_dim] from one matmul. q and k lie side by side in its
+        output, so one rope call rotates both: half the per-layer rope ops, the same elementwise arithmetic.
+        """
+        q_width, k_width, _ = self.qkv_proj.output_sizes
+        qkv = self.qkv_proj(x)
+        tokens, head_dim = x.shape[0], self.head_dim
+        qk = apply_rope(qkv[:, : q_width + k_width].view(tokens, -1, head_dim), cos, sin)
+        q, k = qk.split((q_width // head_dim, k_width // head_dim), dim=1)
+        return q, k, qkv[:, q_width + k_width :].view(tokens, -1, head_dim)
 
 
 class LlamaMLP(nn.Module):

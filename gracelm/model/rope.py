@@ -47,15 +47,16 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin [T, head_dim] for the tokens' positions, computed once per forward for all layers.
-    The sine's first half is negated, which turns the rotate-half of HF weights into a plain roll."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    """cos and signed sin [T, 1, head_dim] for the tokens' positions, computed once per forward for all layers
+    and already shaped to broadcast over the heads (no per-layer reshaping). The sine's first half is negated,
+    which turns the rotate-half of HF weights into a plain roll."""
+    freqs = positions.to(torch.float32)[:, None, None] * inv_freq
     cos, sin = freqs.cos(), freqs.sin()
     return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [T, heads, head_dim] by the per-token angles (the rotate-half convention of HF weights):
-    x * cos + rotate_half(x) * sin, where rotate_half(x) * sin = roll(x, half) * signed_sin."""
+    """Rotates x [T, heads, head_dim] by the per-token angles of `rope_cos_sin` (the rotate-half convention of
+    HF weights): x * cos + rotate_half(x) * sin, where rotate_half(x) * sin = roll(x, half) * signed_sin."""
     rolled = x.roll(x.shape[-1] // 2, dims=-1)
-    return torch.addcmul(x * cos[:, None, :], rolled, signed_sin[:, None, :])
+    return torch.addcmul(x * cos, rolled, signed_sin)
