@@ -186,7 +186,8 @@ def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Pat
     loaded.freeze()
     assert not loaded.int4  # handed over
     assert describe_linear_kernels(loaded.model).startswith(
-        f"int4 (group 32, bfloat16 scales) for steps of <= {INT4_MAX_ROWS} rows, bfloat16 oneDNN above, for "
+        f"int4 (group 32, bfloat16 scales) for decode steps of <= {INT4_MAX_ROWS} rows, bfloat16 oneDNN "
+        f"above and for prompts, for "
         f"{2 * 4 + 1} of {2 * 4 + 1} matmuls")
     dense = load_model(path, dtype="bfloat16", quantization="none")
     assert not dense.int4
@@ -203,6 +204,30 @@ def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Pat
     assert reference.abs().max() > 1.0  # far from zero, so that a wrong weight would show
     # Against the file's values in float32, the int4 path errs about as the dense bfloat16 path does.
     assert int4_error <= 3 * dense_error, (int4_error, dense_error)
+
+
+@needs_native_bf16
+def test_prompt_rows_take_the_dense_weights_however_few(tmp_path: Path) -> None:
+    """A prompt's tail of 2 rows (what is left when the prefix cache served its head) runs dense, as the
+    whole prompt does; a decode step of 2 rows runs int4."""
+    loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16")
+    loaded.freeze()
+    caches = allocate_kv_cache(loaded.config, 1, 16, torch.bfloat16)
+
+    def kernels_of_step(query_lens: list[int], start: int) -> set[str]:
+        rows = sum(query_lens)
+        positions = torch.tensor([start + i for q in query_lens for i in range(q)])
+        batch = ForwardBatch(input_ids=torch.arange(rows) + 1, positions=positions, slot_mapping=positions,
+                             query_lens=query_lens, seq_lens=[start + q for q in query_lens],
+                             block_tables=torch.zeros(len(query_lens), 1, dtype=torch.long),
+                             logits_indices=torch.tensor([rows - 1]))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            loaded.model(batch, caches)
+        return {event.key for event in profile.key_averages()}
+
+    assert INT4_OP not in kernels_of_step([4], 0)  # a prompt's head
+    assert INT4_OP not in kernels_of_step([2], 4)  # its tail: 2 rows, still a prompt's
+    assert INT4_OP in kernels_of_step([1, 1], 6)  # two decode tokens
 
 
 @needs_native_bf16

@@ -22,7 +22,7 @@ from torch import nn
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.attention import AttentionMetadata, paged_attention
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Choice, Int4Linear
+from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Choice, Int4Gate, Int4Linear
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -50,10 +50,10 @@ class FrozenLinear(nn.Module):
     at batch 1 and 1.2-1.4x at batch 64 on this project's machine. Float32 keeps the plain weight and MKL,
     so float32 logits stay those of transformers.
 
-    With a 4-bit form (`int4`), a call of at most `int4_max_rows` rows uses it instead: the int4 kernel reads
-    a quarter of the bytes, which decides a decode step of few sequences (`model/quantized_linear.py`).
-    `int4_max_rows` may be set at any time: 0 never uses the int4 form, `sys.maxsize` always does (one
-    kernel for every batch size)."""
+    With a 4-bit form (`int4`), a call of at most `int4_max_rows` rows uses it instead, in a model only in
+    steps of decode tokens alone (`quantized_linear.Int4Gate`): the int4 kernel reads a quarter of the
+    bytes, which decides a decode step of few sequences (`model/quantized_linear.py`). `int4_max_rows` may
+    be set at any time: 0 never uses the int4 form, `sys.maxsize` always does (one kernel for every step)."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
                  int4: Int4Linear | None = None, int4_max_rows: int = INT4_MAX_ROWS) -> None:
@@ -64,7 +64,15 @@ class FrozenLinear(nn.Module):
         self.packed = _onednn_packed(weight)
         self.weight = weight if self.packed is None else None
         self.int4 = None if int4 is None else int4.to_dtype(weight.dtype)
-        self.int4_max_rows = int4_max_rows
+        self.int4_gate = Int4Gate(int4_max_rows)  # its own until a model shares one (`of`)
+
+    @property
+    def int4_max_rows(self) -> int:
+        return self.int4_gate.max_rows
+
+    @int4_max_rows.setter
+    def int4_max_rows(self, rows: int) -> None:
+        self.int4_gate.max_rows = rows
 
     @classmethod
     def of(cls, linears: list[nn.Module], int4: Int4Choice | None = None) -> FrozenLinear:
@@ -75,10 +83,12 @@ class FrozenLinear(nn.Module):
         biases = [linear.bias for linear in linears] if has_bias else None
         if int4 is None:
             return cls(weights, biases)
-        return cls(weights, biases, int4.stacked(linears), int4.max_rows)
+        frozen = cls(weights, biases, int4.stacked(linears))
+        frozen.int4_gate = int4.gate
+        return frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+        if self.int4 is not None and self.int4_gate.admits(x.shape[0]):
             out = self.int4(x)
             return out if self.bias is None else out + self.bias
         if self.packed is None:
@@ -118,8 +128,9 @@ def describe_linear_kernels(module: nn.Module) -> str:
         return f"{dense} at every batch size ({len(linears)} matmuls)"
     scales = str(with_int4[0].int4.scales_zeros.dtype).removeprefix("torch.")
     bounds = sorted({m.int4_max_rows for m in with_int4})
-    return (f"int4 (group {GROUP_SIZE}, {scales} scales) for steps of <= {'/'.join(map(str, bounds))} rows, "
-            f"{dense} above, for {len(with_int4)} of {len(linears)} matmuls; {dense} for the others")
+    rows = "/".join(map(str, bounds))
+    return (f"int4 (group {GROUP_SIZE}, {scales} scales) for decode steps of <= {rows} rows, {dense} above "
+            f"and for prompts, for {len(with_int4)} of {len(linears)} matmuls; {dense} for the others")
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
@@ -239,6 +250,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Not a weight: recomputed from the config (on CPU even under a `meta` device context).
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.int4_gate: Int4Gate | None = None  # shared by the linears that have 4-bit forms, once frozen
 
     def freeze(self, int4: Int4Choice | None = None) -> None:
         """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`), with the 4-bit forms `int4`
@@ -248,12 +260,15 @@ class LlamaModel(nn.Module):
             layer.self_attn.fuse_qkv(int4)
             layer.mlp.fuse_gate_up(int4)
             freeze_linears(layer, int4)
+        self.int4_gate = None if int4 is None else int4.gate
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states after the final norm of the rows `batch.logits_indices`."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
         meta = AttentionMetadata.build(batch, kv_caches[0])
+        if self.int4_gate is not None:
+            self.int4_gate.prompt_step = bool(meta.prefills)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x.index_select(0, batch.logits_indices))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -103,20 +104,35 @@ class Int4Linear(nn.Module):
         return out if out.shape[1] == self.rows else out[:, : self.rows]
 
 
+class Int4Gate:
+    """When 4-bit forms serve: in calls of at most `max_rows` rows (0: never; `sys.maxsize`: always), and,
+    once a model shares the gate among its linears (`Int4Choice`), only in its steps of decode tokens alone:
+    the model says per forward pass whether the step has prompt rows (`prompt_step`). A prompt's rows take
+    the dense weights however few they are, so a prompt gets the same logits whether the prefix cache
+    served its head (leaving a short tail to compute) or not: a seeded request run twice answers alike."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.prompt_step = False
+
+    def admits(self, rows: int) -> bool:
+        return self.max_rows == sys.maxsize or (rows <= self.max_rows and not self.prompt_step)
+
+
 @dataclass(frozen=True)
 class Int4Choice:
-    """The 4-bit forms of a model's linears, by module, and the rows up to which they serve: what freezing
-    gives the `FrozenLinear`s."""
+    """The 4-bit forms of a model's linears, by module, and the gate they share: what freezing gives the
+    `FrozenLinear`s."""
 
     forms: Mapping[nn.Module, Int4Linear]
-    max_rows: int
+    gate: Int4Gate
 
     @classmethod
     def of(cls, model: nn.Module, by_name: Mapping[str, Int4Linear], max_rows: int) -> Int4Choice:
         """From the 4-bit forms of `model`'s weights by name (`<module name>.weight`)."""
         forms = {module: by_name[f"{name}.weight"] for name, module in model.named_modules()
                  if f"{name}.weight" in by_name}
-        return cls(forms, max_rows)
+        return cls(forms, Int4Gate(max_rows))
 
     def stacked(self, modules: list[nn.Module]) -> Int4Linear | None:
         """The modules' weights stacked by rows, in 4 bits; None unless each has a 4-bit form (and the forms
