@@ -17,6 +17,7 @@ from torch import nn
 
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.attention import AttentionMetadata, paged_attention
+from gracelm.model.batch_invariant import in_row_tiles
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -52,6 +53,7 @@ class FrozenLinear(nn.Module):
         self.bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
         self.packed = _onednn_packed(weight)
         self.weight = weight if self.packed is None else None
+        self.row_tile: int | None = None  # batch-invariant mode: rows of every matmul (`batch_invariant.py`)
 
     @classmethod
     def of(cls, linears: list[nn.Linear]) -> FrozenLinear:
@@ -59,6 +61,11 @@ class FrozenLinear(nn.Module):
         return cls([linear.weight for linear in linears], biases)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_tile is not None:
+            return in_row_tiles(self._matmul, x, self.row_tile)
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -179,6 +186,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Not a weight: recomputed from the config (on CPU even under a `meta` device context).
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.batch_invariant = False  # attend every row alike (`batch_invariant.py`)
 
     def freeze(self) -> None:
         """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`): after loading, and after
@@ -192,7 +200,7 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm of the rows `batch.logits_indices`."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
-        meta = AttentionMetadata.build(batch, kv_caches[0])
+        meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x.index_select(0, batch.logits_indices))

@@ -34,6 +34,7 @@ import torch
 from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
+from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.prompt_logprobs import prompt_logprobs
@@ -87,6 +88,8 @@ class Worker:
             self.shard = TensorParallelModel(self.loaded.model, self.rank, self.world_size)
         else:
             self.loaded.model.freeze()
+        if self.config.deterministic:
+            make_batch_invariant(self.shard if self.shard is not None else self.loaded.model)
         return self.loaded
 
     @property
