@@ -11,13 +11,14 @@ matmuls are most of a decode step's time. A frozen linear keeps its parts' row c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.attention import AttentionMetadata, paged_attention
-from gracelm.model.batch_invariant import in_row_tiles
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -53,7 +54,8 @@ class FrozenLinear(nn.Module):
         self.bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
         self.packed = _onednn_packed(weight)
         self.weight = weight if self.packed is None else None
-        self.row_tile: int | None = None  # batch-invariant mode: rows of every matmul (`batch_invariant.py`)
+        # Batch-invariant mode: the matmul that replaces `matmul` (`batch_invariant.py`).
+        self.invariant_matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def of(cls, linears: list[nn.Linear]) -> FrozenLinear:
@@ -61,11 +63,12 @@ class FrozenLinear(nn.Module):
         return cls([linear.weight for linear in linears], biases)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_tile is not None:
-            return in_row_tiles(self._matmul, x, self.row_tile)
-        return self._matmul(x)
+        if self.invariant_matmul is not None:
+            return self.invariant_matmul(x)
+        return self.matmul(x)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias, one kernel call."""
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
