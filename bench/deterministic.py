@@ -5,14 +5,15 @@ on the same prompts, in the same run.
     .venv/bin/python bench/deterministic.py --batches 1,8,32 --repeats 3 --output-len 64
 
 Decode-dominated: `--prompt-len`-token prompts of random ids, greedy, EOS ignored, `--output-len` tokens
-each; a batch of B is one `generate` of the first B prompts. Both engines are up at once (an engine core
-each; the idle one sleeps), and each repetition runs every batch size on both in alternating order, so that
-a busy spell of a shared machine slows both alike; a batch size's figure is the median over repetitions of
-that repetition's ratio. Two ratios: of output tokens per second of wall-clock time, and per second of the
-engine core's CPU time (user + system, all its threads), which a loaded machine disturbs far less: waiting
-for a core costs wall time, not CPU time. `--prefill-len N` adds a prefill case: one N-token prompt, one
-output token. Also checked, not timed: the deterministic engine gives every prompt the same tokens at every
-batch size.
+each; a batch of B is one `generate` of the first B prompts; no prefix cache. Each repetition starts both
+engines afresh, in alternating order (an engine core each; the idle one sleeps), and runs every batch size
+on both, in alternating order, so that neither engine keeps an advantage of its own and a busy spell of a
+shared machine slows both alike; a batch size's figure is the median over repetitions of that
+repetition's ratio (`--control` runs two default engines: the spread of its ratios is the measurement's
+own). Two ratios: of output tokens per second of wall-clock time, and per second of the engine core's CPU
+time (user + system, all its threads), which a loaded machine disturbs far less: waiting for a core costs
+wall time, not CPU time. `--prefill-len N` adds a prefill case: one N-token prompt, one output token. Also
+checked, not timed: the deterministic engine gives every prompt the same tokens at every batch size.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=0, help="also time one prompt of this many tokens")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-threads", type=int, default=None, help="of each engine (default: all CPUs)")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A run: the second engine in the default mode too, so that its ratios show "
+                             "the measurement's own spread")
     args = parser.parse_args()
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -67,19 +71,27 @@ def main() -> None:
     if args.prefill_len:
         long_prompt = [rng.randrange(*_TOKEN_RANGE) for _ in range(args.prefill_len)]
         cases.append((f"prefill, {args.prefill_len} tokens", [long_prompt], 1))
-    options = {"dtype": args.dtype, "num_threads": args.num_threads, "max_num_seqs": max(batches)}
-    with Engine(args.model, **options) as default, Engine(args.model, deterministic=True, **options) as det:
-        engines = {"default": default, "deterministic": det}
-        rates: dict[tuple[str, str], list[tuple[float, float]]] = {  # (wall-clock, CPU) tok/s, per repetition
-            (case, name): [] for case, _, _ in cases for name in engines}
-        tokens: dict[tuple[str, str], list[list[int]]] = {}
-        for repeat in range(args.repeats):
+    # No prefix cache: every repetition computes its prompts again.
+    options = {"dtype": args.dtype, "num_threads": args.num_threads, "max_num_seqs": max(batches),
+               "enable_prefix_caching": False}
+    modes = {"default": False, "deterministic": not args.control}
+    rates: dict[tuple[str, str], list[tuple[float, float]]] = {  # (wall-clock, CPU) tok/s, per repetition
+        (case, name): [] for case, _, _ in cases for name in modes}
+    tokens: dict[tuple[str, str], list[list[int]]] = {}
+    for repeat in range(args.repeats):
+        # Fresh engines each repetition, started in alternating order, so that neither keeps an advantage of
+        # its own (where its memory landed, which cores its threads got).
+        names = list(modes) if repeat % 2 == 0 else list(modes)[::-1]
+        engines = {name: Engine(args.model, deterministic=modes[name], **options) for name in names}
+        try:
             for index, (case, batch, output_len) in enumerate(cases):
-                order = list(engines) if (repeat + index) % 2 == 0 else list(engines)[::-1]
-                for name in order:
+                for name in names if index % 2 == 0 else names[::-1]:
                     wall, cpu, tokens[(case, name)] = timed(engines[name], batch, output_len)
                     rates[(case, name)].append((wall, cpu))
-            print(f"repetition {repeat + 1}/{args.repeats} done", flush=True)
+        finally:
+            for engine in engines.values():
+                engine.shutdown()
+        print(f"repetition {repeat + 1}/{args.repeats} done", flush=True)
     for case, _, _ in cases:
         print(f"{case}:")
         for clock, index in (("wall-clock", 0), ("CPU", 1)):

@@ -19,9 +19,9 @@ query row's result must not depend on the rows beside it, nor on whether it is a
 prefill chunk of any length. SDPA's blocking follows the chunk's length, so there every row goes through
 the decode computation: a prefill chunk becomes query groups of one sequence and up to `_PREFILL_TILE` rows,
 each row masked to its own context. That computation is row-invariant: the score matmul gives a row the
-same bits whatever the other rows and the key length (checked by tests), once it has at least
-`_MIN_SCORE_ROWS` rows (below that, float32 matmuls take other kernels: zero rows are added); the softmax
-and the value sums are per row, and padding adds exact zeros.
+same bits whatever the other rows and the key length (tests/test_deterministic.py), once it has at least
+`_MIN_SCORE_ROWS` rows per KV head (zero rows are added below that); the softmax and the value sums are per
+row, and padding adds exact zeros.
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 
 # Batch-invariant mode: a prefill chunk is attended in query groups of at most this many rows (bounding one
 # group's scores and value bags: rows x heads x context), and a score matmul computes at least this many rows
-# per KV head (float32 matmuls of one or two rows take kernels of their own, with other rounding).
+# per KV head (MKL's float32 matmuls of one or of two rows take kernels of their own, with other rounding).
 _PREFILL_TILE = 64
-_MIN_SCORE_ROWS = 16
+_MIN_SCORE_ROWS = 3
 
 
 @dataclass

@@ -28,37 +28,27 @@ from torch import nn
 
 from gracelm.model.llama import FrozenLinear, LlamaModel
 
-# Rows of every matmul of a `RowTiledMatmul`: a tile's cost barely grows with its rows up to here (the weights'
-# reading dominates), so a small batch pays little for the padding, and a large one runs as several tiles.
+# Rows of one matmul call at most. oneDNN's bfloat16 kernel gives a row the same bits for every M up to 32
+# (from 33 rows on it blocks otherwise), so batches of up to 32 rows run exactly as by default; larger ones
+# run as several calls.
 ROW_TILE = 32
 
 
-class TransposedMatmul:
-    """`x @ W.T + b` as `(W @ x.T).T + b` (oneDNN, bfloat16): the batch is the matmul's N, on which no
-    column's result depends."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.mm(self.weight, x.t()).t().contiguous()
-        return out if self.bias is None else out.add_(self.bias)
-
-
 class RowTiledMatmul:
-    """`matmul(x)` for x [M, in] as ceil(M / tile) calls of exactly `tile` rows each (for M = 0, one call of no
-    row: nothing to compute, the result's shape)."""
+    """`matmul(x)` for x [M, in] as ceil(M / tile) calls of `tile` rows, the last one padded with zero rows
+    if `pad` (for M = 0, one call of no row: nothing to compute, the result's shape). Without `pad` the last
+    call has the rows that are left: for a kernel that computes a row alike for every M up to `tile`."""
 
-    def __init__(self, matmul: Callable[[torch.Tensor], torch.Tensor], tile: int = ROW_TILE) -> None:
+    def __init__(self, matmul: Callable[[torch.Tensor], torch.Tensor], tile: int, pad: bool) -> None:
         self.matmul = matmul
         self.tile = tile
+        self.pad = pad
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows == 0:
+        if rows == 0 or (rows <= self.tile and not self.pad):
             return self.matmul(x)
-        padding = -rows % self.tile
+        padding = -rows % self.tile if self.pad else 0
         if padding:
             x = F.pad(x, (0, 0, 0, padding))
         if rows + padding == self.tile:  # one call, no concatenation
@@ -68,18 +58,11 @@ class RowTiledMatmul:
 
 def make_batch_invariant(module: nn.Module) -> None:
     """Switches a frozen model (or a tensor-parallel shard of one) to batch-invariant computation: its frozen
-    linears get a row-invariant matmul and its decoders attend every row alike."""
+    linears run in row tiles and its decoders attend every row alike."""
     for child in module.modules():
         if isinstance(child, FrozenLinear):
-            child.invariant_matmul = invariant_matmul(child)
+            # The oneDNN-packed bfloat16 kernel needs no padding; MKL's float32 one takes other kernels for
+            # one and for two rows, so there every call has exactly `ROW_TILE` rows.
+            child.invariant_matmul = RowTiledMatmul(child.matmul, ROW_TILE, pad=child.packed is None)
         elif isinstance(child, LlamaModel):
             child.batch_invariant = True
-
-
-def invariant_matmul(linear: FrozenLinear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The row-invariant matmul of `linear`. A oneDNN-packed bfloat16 weight is unpacked for it (the packed copy
-    is dropped: `linear.matmul` then runs `F.linear` on the plain weight, the same kernel)."""
-    if linear.packed is None:
-        return RowTiledMatmul(linear.matmul)
-    linear.weight, linear.packed = linear.packed.to_dense(), None
-    return TransposedMatmul(linear.weight, linear.bias)
