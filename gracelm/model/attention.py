@@ -19,9 +19,9 @@ query row's result must not depend on the rows beside it, nor on whether it is a
 prefill chunk of any length. SDPA's blocking follows the chunk's length, so there every row goes through
 the decode computation: a prefill chunk becomes query groups of one sequence and up to `_PREFILL_TILE` rows,
 each row masked to its own context. That computation is row-invariant: the score matmul gives a row the
-same bits whatever the other rows and the key length (tests/test_deterministic.py), once it has at least
-`_MIN_SCORE_ROWS` rows per KV head (zero rows are added below that); the softmax and the value sums are per
-row, and padding adds exact zeros.
+same bits whatever the other rows and the key length (tests/test_deterministic.py), once it is not too small
+(`_MIN_SCORE_ROWS`, `_MIN_KEYS`: rows and keys are padded up to them); the softmax and the value sums are per
+row, and the padding adds exact zeros.
 """
 
 from __future__ import annotations
@@ -75,11 +75,14 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     return per_layer * config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
 
 
-# Batch-invariant mode: a prefill chunk is attended in query groups of at most this many rows (bounding one
-# group's scores and value bags: rows x heads x context), and a score matmul computes at least this many rows
-# per KV head (MKL's float32 matmuls of one or of two rows take kernels of their own, with other rounding).
+# Batch-invariant mode: a prefill chunk is attended in query groups of at most `_PREFILL_TILE` rows (bounding
+# one group's scores and value bags: rows x heads x context), and a group's score matmul has at least
+# `_MIN_SCORE_ROWS` rows per KV head and `_MIN_KEYS` keys (zero rows, masked keys): smaller products take
+# kernels of their own, which round otherwise (MKL's float32 ones for one or two rows, torch's own loop below
+# 400 multiply-adds), and a softmax row narrower than a vector register takes a scalar path.
 _PREFILL_TILE = 64
 _MIN_SCORE_ROWS = 3
+_MIN_KEYS = 16
 
 
 @dataclass
@@ -89,7 +92,7 @@ class QueryGroup:
 
     rows: torch.Tensor | None  # [B * R] token rows of the queries, by sequence; None: all T tokens, in order
     queries: int  # R, query rows per sequence
-    min_score_rows: int  # the score matmul's least rows per KV head: zero query rows are added below that
+    batch_invariant: bool  # each row's result independent of the group (see the constants above)
     block_ids: torch.Tensor  # [B * blocks_per_seq] their block tables, truncated to the longest, flattened
     blocks_per_seq: int
     mask: torch.Tensor  # [1, B, R, 1, blocks_per_seq * block_size] float32: 0 in a row's context, else -inf
@@ -130,9 +133,8 @@ class AttentionMetadata:
         starts = [0]
         for q in batch.query_lens:
             starts.append(starts[-1] + q)
-        min_score_rows = _MIN_SCORE_ROWS if batch_invariant else 0
         decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        groups = [_decode_group(batch, decode_seqs, starts, kv_cache, min_score_rows)] if decode_seqs else []
+        groups = [_decode_group(batch, decode_seqs, starts, kv_cache, batch_invariant)] if decode_seqs else []
         chunked = [i for i, q in enumerate(batch.query_lens) if q > 1]
         if batch_invariant:
             groups += [tile for i in chunked for tile in _prefill_tiles(batch, i, starts[i], kv_cache)]
@@ -142,14 +144,14 @@ class AttentionMetadata:
 
 
 def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], kv_cache: torch.Tensor,
-                  min_score_rows: int) -> QueryGroup:
+                  batch_invariant: bool) -> QueryGroup:
     device = batch.block_tables.device
     index = torch.tensor(seqs, dtype=torch.long, device=device)
     seq_lens = torch.tensor([batch.seq_lens[i] for i in seqs], device=device)
     all_tokens_in_order = len(seqs) == starts[-1]
     rows = None if all_tokens_in_order else torch.tensor([starts[i] for i in seqs], device=device)
     return _query_group(batch.block_tables.index_select(0, index), seq_lens[:, None], rows, kv_cache,
-                        min_score_rows)
+                        batch_invariant)
 
 
 def _prefill_tiles(batch: ForwardBatch, i: int, start: int, kv_cache: torch.Tensor) -> list[QueryGroup]:
@@ -163,19 +165,20 @@ def _prefill_tiles(batch: ForwardBatch, i: int, start: int, kv_cache: torch.Tens
         last = min(length, first + _PREFILL_TILE)
         visible = torch.arange(context + first + 1, context + last + 1, device=device)  # positions + 1
         rows = torch.arange(start + first, start + last, device=device)
-        tiles.append(_query_group(batch.block_tables[i:i + 1], visible[None, :], rows, kv_cache,
-                                  _MIN_SCORE_ROWS))
+        tiles.append(_query_group(batch.block_tables[i:i + 1], visible[None, :], rows, kv_cache, True))
     return tiles
 
 
 def _query_group(block_tables: torch.Tensor, visible: torch.Tensor, rows: torch.Tensor | None,
-                 kv_cache: torch.Tensor, min_score_rows: int) -> QueryGroup:
+                 kv_cache: torch.Tensor, batch_invariant: bool) -> QueryGroup:
     """The group of the sequences of `block_tables` [B, *] whose query rows see `visible` [B, R] context
     positions each (a row at position p sees p + 1)."""
     _, kv_heads, _, block_size, head_dim = kv_cache.shape
     num_seqs, queries = visible.shape
     device = block_tables.device
-    blocks_per_seq = cdiv(int(visible.max()), block_size)
+    blocks_per_seq = cdiv(max(int(visible.max()), _MIN_KEYS if batch_invariant else 0), block_size)
+    if blocks_per_seq > block_tables.shape[1]:  # past every table's end: block 0, masked
+        block_tables = F.pad(block_tables, (0, blocks_per_seq - block_tables.shape[1]))
     block_ids = block_tables[:, :blocks_per_seq].reshape(-1)
     in_context = torch.arange(blocks_per_seq * block_size, device=device)[None, None, :] < visible[:, :, None]
     mask = torch.zeros(in_context.shape, dtype=torch.float32, device=device)
@@ -183,7 +186,7 @@ def _query_group(block_tables: torch.Tensor, visible: torch.Tensor, rows: torch.
     keys = kv_cache.new_empty((kv_heads, len(block_ids), block_size, head_dim))
     offsets = torch.arange(block_size, device=device)
     slots = (block_ids.view(num_seqs, blocks_per_seq, 1) * block_size + offsets).view(num_seqs, -1)
-    return QueryGroup(rows, queries, min_score_rows, block_ids, blocks_per_seq, mask[None, :, :, None, :],
+    return QueryGroup(rows, queries, batch_invariant, block_ids, blocks_per_seq, mask[None, :, :, None, :],
                       keys, slots)
 
 
@@ -244,7 +247,7 @@ def _group_attention(
     keys = keys.view(kv_heads * batch, length, head_dim).to(dtype)
     # GQA without repeating K/V: query head h reads KV head h // per_kv, so group the query heads.
     grouped = q.to(dtype).view(batch, queries, kv_heads, per_kv, head_dim)
-    score_rows = max(queries, cdiv(group.min_score_rows, per_kv))
+    score_rows = max(queries, cdiv(_MIN_SCORE_ROWS, per_kv)) if group.batch_invariant else queries
     if score_rows > queries:
         grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, score_rows - queries))
     grouped = grouped.permute(2, 0, 1, 3, 4).reshape(kv_heads * batch, score_rows * per_kv, head_dim)

@@ -1,21 +1,20 @@
 """Batch-invariant computation (`--deterministic`): every row of a forward pass gets the bits it would get
 computed alone, so a request's tokens do not depend on what else is in its batches.
 
-What varies otherwise, found by comparing rows bit for bit on this project's machine (`tests/test_deterministic.py`
-holds each finding):
-- Linears, `x @ W.T`: oneDNN (bfloat16) and MKL (float32) pick their kernel and blocking by the number of rows
-  M, and a row's result changes with it (bfloat16: from 33 rows on; float32: between 1, 2 and more rows).
-  - bfloat16, oneDNN: the same product computed as `W @ x.T` has the weight's rows as its M, fixed, and the
-    batch as its N: there no column's result depends on N (1 to 2048 tried, every shape of the default model),
-    so nothing is padded and a decode step costs what it costs by default (`TransposedMatmul`).
-  - Otherwise (float32, MKL): every matmul runs in tiles of exactly `ROW_TILE` rows, the last one padded with
-    zero rows: one kernel shape, within which a row's result depends neither on its place in the tile nor on
-    the other rows (`RowTiledMatmul`).
+What varies otherwise, found by comparing rows bit for bit on this project's machine (each finding is a test
+in tests/test_deterministic.py):
+- Linears: oneDNN (bfloat16) and MKL (float32) choose their blocking by the number of rows M, and a row's
+  result changes with it. oneDNN's bfloat16 kernel gives a row the same bits for every M from 1 to 32 (from
+  33 on, it depends on M and the shape); MKL's float32 one has kernels of its own for one and for two rows.
+  So every matmul here has at most `ROW_TILE` rows (`RowTiledMatmul`); for MKL exactly that many, the last
+  tile padded with zero rows (one kernel shape, in which a row's place and its neighbours change nothing).
+  A decode step of up to 32 sequences then runs exactly as by default; a long prefill runs as many calls.
 - Attention: SDPA's blocking follows the prefill chunk's length, which follows the step's token budget and the
   other requests. In this mode every query row, decode or prefill, goes through the same row-invariant
   computation (`attention.py`, `AttentionMetadata.build(..., batch_invariant=True)`).
-What does not vary: norms, RoPE and activations are row-wise, and the sampler draws a seeded request's
-numbers from its own generator and reduces each row alone.
+- Sampling (`sampler.py`, in every mode): a seeded row draws from its own generator, and a row's top-k prefix
+  and top logprobs are taken at its own width, not its batch's.
+What does not vary: norms, RoPE and activations are row-wise.
 """
 
 from __future__ import annotations
