@@ -254,3 +254,17 @@ def test_a_deterministic_server_answers_a_batch_as_it_answers_each_prompt():
         return [(c.text, c.logprobs.token_logprobs, c.logprobs.top_logprobs) for c in choices]
 
     assert answers(batch) == answers(alone)
+
+
+@pytest.mark.timeout(300)
+def test_three_tensor_parallel_ranks_keep_the_property():
+    """With three ranks the row-parallel linears' partial sums are gathered and added in rank order (gloo's
+    ring all-reduce adds them in an order that follows the tensor's size)."""
+    model = str(tiny_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                           intermediate_size=192))
+    prompts, params = _mixed_prompts(12), _params(12)
+    with Engine(model, dtype="bfloat16", deterministic=True, tensor_parallel_size=3, max_model_len=256,
+                max_num_batched_tokens=24, kv_cache_memory="4MiB", num_threads=1) as llm:
+        alone = [_generate(llm, prompts, params, [i])[0] for i in range(12)]
+        assert _generate(llm, prompts, params, list(range(11, -1, -1))) == alone
+    assert_nothing_left()

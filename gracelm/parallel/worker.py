@@ -88,8 +88,10 @@ class Worker:
             self.shard = TensorParallelModel(self.loaded.model, self.rank, self.world_size)
         else:
             self.loaded.model.freeze()
-        if self.config.deterministic:
-            make_batch_invariant(self.shard if self.shard is not None else self.loaded.model)
+        if self.config.deterministic and self.shard is not None:
+            self.shard.make_batch_invariant()
+        elif self.config.deterministic:
+            make_batch_invariant(self.loaded.model)
         return self.loaded
 
     @property
