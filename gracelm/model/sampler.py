@@ -400,11 +400,13 @@ def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
     return SamplerOutput(token_ids, sampled, ids, values)
 
 
-def top_per_row(logprobs: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ids and values of each row's `counts[row]` largest logprobs, most likely first, as [R, max(counts)]
-    tensors (a row's columns past its count are filler). Rows asking the same count share one `topk` of that
-    count: ties are ordered as that count's `topk` orders them, so a row's answer is the same in any batch."""
-    width = max(counts)
+def top_per_row(logprobs: torch.Tensor, counts: list[int],
+                width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids and values of each row's `counts[row]` largest logprobs, most likely first, as [R, width]
+    tensors (default width: the largest count; a row's columns past its count are filler). Rows asking the
+    same count share one `topk` of that count: ties are ordered as that count's `topk` orders them, so a row's
+    answer is the same in any batch."""
+    width = max(counts) if width is None else width
     if all(count == width for count in counts):
         top = logprobs.topk(width, dim=-1)
         return top.indices, top.values
