@@ -410,10 +410,10 @@ def top_per_row(logprobs: torch.Tensor, counts: list[int],
     if all(count == width for count in counts):
         top = logprobs.topk(width, dim=-1)
         return top.indices, top.values
-    ids = torch.zeros(len(counts), width, dtype=torch.int64)
-    values = torch.full((len(counts), width), -_FLOAT_MAX)
+    ids = torch.zeros(len(counts), width, dtype=torch.int64, device=logprobs.device)
+    values = torch.full((len(counts), width), -_FLOAT_MAX, device=logprobs.device)
     for count in set(counts) - {0}:
-        rows = torch.tensor([row for row, c in enumerate(counts) if c == count], dtype=torch.int64)
+        rows = torch.tensor([row for row, c in enumerate(counts) if c == count], device=logprobs.device)
         top = logprobs.index_select(0, rows).topk(count, dim=-1)
         ids[rows, :count], values[rows, :count] = top.indices, top.values
     return ids, values
