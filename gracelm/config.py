@@ -159,6 +159,9 @@ class EngineConfig:
     num_threads: int | None = option(None, "CPU threads of each rank (default: its share of the CPUs "
                                            "this process may run on)", check=at_least(1))
     seed: int = option(0, "seed of requests that have none")
+    deterministic: bool = option(False, "batch-invariant computation: a request's tokens (greedy, or "
+                                        "sampled with a seed) do not depend on the other requests it is "
+                                        "batched with, at some cost in speed")
     shutdown_timeout: float = option(30.0, "seconds running requests may take to finish at a stop (0: abort "
                                            "at once)", check=at_least(0))
     engine_hang_timeout: float = option(60.0, "seconds without step progress, with work pending, before a "

@@ -214,9 +214,33 @@ def test_logprobs_are_those_of_the_raw_logits():
     assert torch.allclose(out.logprobs, raw.gather(1, out.token_ids.unsqueeze(1)).squeeze(1), atol=1e-6)
     assert out.top_logprob_ids.shape == out.top_logprobs.shape == (4, 5)
     expected = raw.sort(dim=-1, descending=True)
-    assert torch.equal(out.top_logprob_ids, expected.indices[:, :5])
-    assert torch.allclose(out.top_logprobs, expected.values[:, :5], atol=1e-6)
-    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
+    for row, count in enumerate([3, 5]):  # each row's own top-n; the other columns are filler
+        assert torch.equal(out.top_logprob_ids[row, :count], expected.indices[row, :count])
+        assert torch.allclose(out.top_logprobs[row, :count], expected.values[row, :count], atol=1e-6)
+
+
+def test_a_row_gets_the_same_token_and_top_logprobs_beside_any_rows():
+    """Batch invariance of the sampler: a seeded top-k row and a greedy row asking top logprobs, over logits
+    full of ties (bfloat16-rounded, as a bfloat16 model gives them), alone and beside rows with a wider top-k,
+    top-p only, and more top logprobs. A row's prefix width and top-n are its own: a wider `topk` may order
+    tied logits otherwise, and a longer sum rounds otherwise."""
+    vocab = 2000
+    logits = (torch.randn(4, vocab, generator=make_generator(5)) * 3).bfloat16().float()
+    mine = [SamplingParams(temperature=1.0, top_k=40, seed=0, logprobs=2),
+            SamplingParams(temperature=0.0, logprobs=3)]
+    mates = [SamplingParams(temperature=1.0, top_k=700, seed=9, logprobs=8),
+             SamplingParams(temperature=0.9, top_p=0.95, seed=8, logprobs=6)]
+    for seed in range(40):
+        mine[0] = SamplingParams(temperature=1.0, top_k=40, seed=seed, logprobs=2)
+        alone = [sample(logits[row:row + 1].clone(), _meta([params], vocab, [make_generator(seed)]))
+                 for row, params in enumerate(mine)]
+        batched = sample(logits.clone(), _meta(mine + mates, vocab, [make_generator(seed), None,
+                                                                     make_generator(9), make_generator(8)]))
+        for row, (params, out) in enumerate(zip(mine, alone, strict=True)):
+            count = params.logprobs
+            assert batched.token_ids[row] == out.token_ids[0], seed
+            assert torch.equal(batched.top_logprob_ids[row, :count], out.top_logprob_ids[0, :count]), seed
+            assert torch.equal(batched.top_logprobs[row, :count], out.top_logprobs[0, :count]), seed
 
 
 def test_logprobs_zero_returns_the_sampled_logprob_only():

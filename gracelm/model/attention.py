@@ -13,6 +13,15 @@ probabilities are rounded to bf16, as a bf16 model rounds all its activations (o
 error against float32 grows by about 10 %, top-1 agreement unchanged). The softmax runs in float32.
 Prefill chunks go one sequence at a time through float32 `scaled_dot_product_attention` (its bf16 kernel
 is several times slower on CPU).
+
+Batch-invariant mode (`AttentionMetadata.build(..., batch_invariant=True)`, see `batch_invariant.py`): a
+query row's result must not depend on the rows beside it, nor on whether it is a decode token or a row of a
+prefill chunk of any length. SDPA's blocking follows the chunk's length, so there every row goes through
+the decode computation: a prefill chunk becomes query groups of one sequence and up to `_PREFILL_TILE` rows,
+each row masked to its own context. That computation is row-invariant: the score matmul gives a row the
+same bits whatever the other rows and the key length (tests/test_deterministic.py), once it is not too small
+(`_MIN_SCORE_ROWS`, `_MIN_KEYS`: rows and keys are padded up to them); the softmax and the value sums are per
+row, and the padding adds exact zeros.
 """
 
 from __future__ import annotations
@@ -66,19 +75,32 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     return per_layer * config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
 
 
-@dataclass
-class DecodeGroup:
-    """The sequences with one query token, attended in a single batched computation."""
+# Batch-invariant mode: a prefill chunk is attended in query groups of at most `_PREFILL_TILE` rows (bounding
+# one group's scores and value bags: rows x heads x context), and a group's score matmul has at least
+# `_MIN_SCORE_ROWS` rows per KV head and `_MIN_KEYS` keys (zero rows, masked keys): smaller products take
+# kernels of their own, which round otherwise (MKL's float32 ones for one or two rows, torch's own loop below
+# 400 multiply-adds), and a softmax row narrower than a vector register takes a scalar path.
+_PREFILL_TILE = 64
+_MIN_SCORE_ROWS = 3
+_MIN_KEYS = 16
 
-    rows: torch.Tensor | None  # [Bd] token rows of their queries; None when they are all T tokens, in order
-    block_ids: torch.Tensor  # [Bd * blocks_per_seq] their block tables, truncated to the longest, flattened
+
+@dataclass
+class QueryGroup:
+    """Sequences whose query rows are attended in a single batched, masked computation: the decode tokens (one
+    row per sequence) and, in batch-invariant mode, each tile of a prefill chunk (one sequence, its rows)."""
+
+    rows: torch.Tensor | None  # [B * R] token rows of the queries, by sequence; None: all T tokens, in order
+    queries: int  # R, query rows per sequence
+    batch_invariant: bool  # each row's result independent of the group (see the constants above)
+    block_ids: torch.Tensor  # [B * blocks_per_seq] their block tables, truncated to the longest, flattened
     blocks_per_seq: int
-    mask: torch.Tensor  # [1, Bd, 1, blocks_per_seq * block_size] float32: 0 for context, -inf for padding
-    # [kv_heads, Bd * blocks_per_seq, block_size, head_dim] in the cache's dtype: every layer gathers its keys
+    mask: torch.Tensor  # [1, B, R, 1, blocks_per_seq * block_size] float32: 0 in a row's context, else -inf
+    # [kv_heads, B * blocks_per_seq, block_size, head_dim] in the cache's dtype: every layer gathers its keys
     # here. One buffer for all layers, because a fresh tensor of this size per layer costs page faults that
     # made the gather 3x slower than the copy itself.
     keys: torch.Tensor
-    slots: torch.Tensor  # [Bd, blocks_per_seq * block_size] cache slot of each context position
+    slots: torch.Tensor  # [B, blocks_per_seq * block_size] cache slot of each context position
     value_bags: tuple[torch.Tensor, torch.Tensor] | None = None  # see `_value_bags`, made by the first layer
 
 
@@ -99,45 +121,73 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_tokens: int
-    decode: DecodeGroup | None
-    prefills: list[PrefillSpan]
+    groups: list[QueryGroup]  # the decode tokens' group first, if any
+    prefills: list[PrefillSpan]  # the chunks attended by SDPA (none in batch-invariant mode)
 
     @classmethod
-    def build(cls, batch: ForwardBatch, kv_cache: torch.Tensor) -> AttentionMetadata:
-        """`kv_cache` is one layer's cache (every layer's has the same shape and dtype)."""
+    def build(cls, batch: ForwardBatch, kv_cache: torch.Tensor, batch_invariant: bool = False
+              ) -> AttentionMetadata:
+        """`kv_cache` is one layer's cache (every layer's has the same shape and dtype). `batch_invariant`:
+        every row is attended as a decode row, its result independent of the rest of the batch."""
         block_size = kv_cache.shape[3]
         starts = [0]
         for q in batch.query_lens:
             starts.append(starts[-1] + q)
         decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        prefills = [
-            _prefill_span(batch, i, starts[i], block_size)
-            for i, q in enumerate(batch.query_lens)
-            if q > 1
-        ]
-        decode = _decode_group(batch, decode_seqs, starts, kv_cache) if decode_seqs else None
-        return cls(batch.slot_mapping, starts[-1], decode, prefills)
+        groups = [_decode_group(batch, decode_seqs, starts, kv_cache, batch_invariant)] if decode_seqs else []
+        chunked = [i for i, q in enumerate(batch.query_lens) if q > 1]
+        if batch_invariant:
+            groups += [tile for i in chunked for tile in _prefill_tiles(batch, i, starts[i], kv_cache)]
+            return cls(batch.slot_mapping, starts[-1], groups, [])
+        prefills = [_prefill_span(batch, i, starts[i], block_size) for i in chunked]
+        return cls(batch.slot_mapping, starts[-1], groups, prefills)
 
 
-def _decode_group(
-    batch: ForwardBatch, seqs: list[int], starts: list[int], kv_cache: torch.Tensor
-) -> DecodeGroup:
-    _, kv_heads, _, block_size, head_dim = kv_cache.shape
-    seq_lens = [batch.seq_lens[i] for i in seqs]
-    blocks_per_seq = cdiv(max(seq_lens), block_size)
+def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], kv_cache: torch.Tensor,
+                  batch_invariant: bool) -> QueryGroup:
     device = batch.block_tables.device
     index = torch.tensor(seqs, dtype=torch.long, device=device)
-    block_ids = batch.block_tables.index_select(0, index)[:, :blocks_per_seq].reshape(-1)
-    lens = torch.tensor(seq_lens, device=device)
-    in_context = torch.arange(blocks_per_seq * block_size, device=device)[None, :] < lens[:, None]
-    mask = torch.zeros(in_context.shape, dtype=torch.float32, device=device)
-    mask.masked_fill_(~in_context, float("-inf"))
+    seq_lens = torch.tensor([batch.seq_lens[i] for i in seqs], device=device)
     all_tokens_in_order = len(seqs) == starts[-1]
     rows = None if all_tokens_in_order else torch.tensor([starts[i] for i in seqs], device=device)
+    return _query_group(batch.block_tables.index_select(0, index), seq_lens[:, None], rows, kv_cache,
+                        batch_invariant)
+
+
+def _prefill_tiles(batch: ForwardBatch, i: int, start: int, kv_cache: torch.Tensor) -> list[QueryGroup]:
+    """Sequence i's chunk as query groups of at most `_PREFILL_TILE` rows, each row attending its own
+    context, as a decode row at its position would."""
+    length, seq_len = batch.query_lens[i], batch.seq_lens[i]
+    context = seq_len - length
+    device = batch.block_tables.device
+    tiles = []
+    for first in range(0, length, _PREFILL_TILE):
+        last = min(length, first + _PREFILL_TILE)
+        visible = torch.arange(context + first + 1, context + last + 1, device=device)  # positions + 1
+        rows = torch.arange(start + first, start + last, device=device)
+        tiles.append(_query_group(batch.block_tables[i:i + 1], visible[None, :], rows, kv_cache, True))
+    return tiles
+
+
+def _query_group(block_tables: torch.Tensor, visible: torch.Tensor, rows: torch.Tensor | None,
+                 kv_cache: torch.Tensor, batch_invariant: bool) -> QueryGroup:
+    """The group of the sequences of `block_tables` [B, *] whose query rows see `visible` [B, R] context
+    positions each (a row at position p sees p + 1)."""
+    _, kv_heads, _, block_size, head_dim = kv_cache.shape
+    num_seqs, queries = visible.shape
+    device = block_tables.device
+    blocks_per_seq = cdiv(max(int(visible.max()), _MIN_KEYS if batch_invariant else 0), block_size)
+    if blocks_per_seq > block_tables.shape[1]:  # past every table's end: block 0, masked
+        block_tables = F.pad(block_tables, (0, blocks_per_seq - block_tables.shape[1]))
+    block_ids = block_tables[:, :blocks_per_seq].reshape(-1)
+    in_context = torch.arange(blocks_per_seq * block_size, device=device)[None, None, :] < visible[:, :, None]
+    mask = torch.zeros(in_context.shape, dtype=torch.float32, device=device)
+    mask.masked_fill_(~in_context, float("-inf"))
     keys = kv_cache.new_empty((kv_heads, len(block_ids), block_size, head_dim))
     offsets = torch.arange(block_size, device=device)
-    slots = (block_ids.view(len(seqs), blocks_per_seq, 1) * block_size + offsets).view(len(seqs), -1)
-    return DecodeGroup(rows, block_ids, blocks_per_seq, mask[None, :, None, :], keys, slots)
+    slots = (block_ids.view(num_seqs, blocks_per_seq, 1) * block_size + offsets).view(num_seqs, -1)
+    return QueryGroup(rows, queries, batch_invariant, block_ids, blocks_per_seq, mask[None, :, :, None, :],
+                      keys, slots)
 
 
 def _prefill_span(batch: ForwardBatch, i: int, start: int, block_size: int) -> PrefillSpan:
@@ -164,59 +214,67 @@ def paged_attention(
     key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
     value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
     scale = 1.0 / math.sqrt(head_dim)
-    decode = meta.decode
-    if decode is not None and decode.rows is None:
-        return _decode_attention(q, kv_cache, decode, scale).to(q.dtype)
+    groups = meta.groups
+    if len(groups) == 1 and groups[0].rows is None:
+        return _group_attention(q, kv_cache, groups[0], scale).to(q.dtype)
     out = torch.empty(meta.num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-    if decode is not None:
-        decoded = _decode_attention(q.index_select(0, decode.rows), kv_cache, decode, scale)
-        out.index_copy_(0, decode.rows, decoded.to(q.dtype))
+    for group in groups:
+        attended = _group_attention(q.index_select(0, group.rows), kv_cache, group, scale)
+        out.index_copy_(0, group.rows, attended.to(q.dtype))
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
     return out
 
 
-def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
+def _group_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, group: QueryGroup, scale: float
 ) -> torch.Tensor:
-    """q [Bd, heads, head_dim] -> [Bd, heads * head_dim] in the cache's dtype (float32 for a float16 cache):
-    one masked matmul-softmax-weighted sum for all the sequences.
+    """q [B * R, heads, head_dim] -> [B * R, heads * head_dim] in the cache's dtype (float32 for a float16
+    cache): one masked matmul-softmax-weighted sum for all the group's rows.
 
     Scores: the keys are gathered (one copy), then one batched matmul. Values: never gathered, an
     `embedding_bag` sums the probability-weighted value rows straight out of the cache, 3-4x faster than
     gathering them for a matmul. Both read bf16 and accumulate in float32."""
-    batch, num_heads, head_dim = q.shape
+    num_rows, num_heads, head_dim = q.shape
     _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    queries = group.queries
+    batch = num_rows // queries
     length = group.blocks_per_seq * block_size
     per_kv = num_heads // kv_heads
     dtype = kv_cache.dtype if kv_cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
     keys = torch.index_select(kv_cache[0], 1, group.block_ids, out=group.keys)
     keys = keys.view(kv_heads * batch, length, head_dim).to(dtype)
     # GQA without repeating K/V: query head h reads KV head h // per_kv, so group the query heads.
-    queries = q.to(dtype).view(batch, kv_heads, per_kv, head_dim).transpose(0, 1)
-    scores = torch.bmm(queries.reshape(kv_heads * batch, per_kv, head_dim), keys.transpose(1, 2))
-    scores = scores.view(kv_heads, batch, per_kv, length).float().mul_(scale).add_(group.mask)
-    probs = scores.softmax(dim=-1)  # [kv_heads, Bd, per_kv, length]
+    grouped = q.to(dtype).view(batch, queries, kv_heads, per_kv, head_dim)
+    score_rows = max(queries, cdiv(_MIN_SCORE_ROWS, per_kv)) if group.batch_invariant else queries
+    if score_rows > queries:
+        grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, score_rows - queries))
+    grouped = grouped.permute(2, 0, 1, 3, 4).reshape(kv_heads * batch, score_rows * per_kv, head_dim)
+    scores = torch.bmm(grouped, keys.transpose(1, 2)).view(kv_heads, batch, score_rows, per_kv, length)
+    scores = scores[:, :, :queries].float().mul_(scale).add_(group.mask)
+    probs = scores.softmax(dim=-1)  # [kv_heads, B, R, per_kv, length]
     if group.value_bags is None:
-        group.value_bags = _value_bags(group.slots, kv_heads, per_kv, num_blocks * block_size)
+        group.value_bags = _value_bags(group.slots, kv_heads, queries * per_kv, num_blocks * block_size)
     indices, offsets = group.value_bags
     values = kv_cache[1].view(-1, head_dim)
-    weights = probs.to(values.dtype).view(-1)
+    weights = probs.to(values.dtype).reshape(-1)
     out = F.embedding_bag(indices, values, offsets, mode="sum", per_sample_weights=weights)
-    out = out.view(kv_heads, batch, per_kv, head_dim).to(dtype)
-    return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
+    out = out.view(kv_heads, batch, queries, per_kv, head_dim).to(dtype)
+    return out.permute(1, 2, 0, 3, 4).reshape(num_rows, num_heads * head_dim)
 
 
 def _value_bags(
-    slots: torch.Tensor, kv_heads: int, per_kv: int, slots_per_head: int
+    slots: torch.Tensor, kv_heads: int, bags_per_seq: int, slots_per_head: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`embedding_bag` indices and offsets over a layer's value cache seen as [kv_heads * slots, head_dim]
-    rows: one bag per (KV head, sequence, query head of that KV head), ordered as the probabilities are,
-    each holding the rows of the sequence's context (padding included: its probability is 0)."""
+    rows: one bag per (KV head, sequence, query row and query head of that KV head), ordered as the
+    probabilities are, each holding the rows of the sequence's context (padding included: its probability is
+    0)."""
     batch, length = slots.shape
     heads = torch.arange(kv_heads, device=slots.device).view(kv_heads, 1, 1, 1) * slots_per_head
-    indices = (heads + slots.view(1, batch, 1, length)).expand(kv_heads, batch, per_kv, length).reshape(-1)
+    indices = (heads + slots.view(1, batch, 1, length)).expand(kv_heads, batch, bags_per_seq, length)
+    indices = indices.reshape(-1)
     offsets = torch.arange(0, indices.numel(), length, device=slots.device)
     return indices, offsets
 

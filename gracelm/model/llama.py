@@ -13,7 +13,7 @@ parts' row counts (`output_sizes`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,8 @@ class FrozenLinear(nn.Module):
     @int4_max_rows.setter
     def int4_max_rows(self, rows: int) -> None:
         self.int4_gate.max_rows = rows
+        # Batch-invariant mode: the matmul that replaces `matmul` (`batch_invariant.py`).
+        self.invariant_matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def of(cls, linears: list[nn.Module], int4: Int4Choice | None = None) -> FrozenLinear:
@@ -88,6 +90,12 @@ class FrozenLinear(nn.Module):
         return frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant_matmul is not None:
+            return self.invariant_matmul(x)
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias, one kernel call: the 4-bit form's where the gate admits it, else the dense."""
         if self.int4 is not None and self.int4_gate.admits(x.shape[0]):
             out = self.int4(x)
             return out if self.bias is None else out + self.bias
@@ -251,6 +259,7 @@ class LlamaModel(nn.Module):
         # Not a weight: recomputed from the config (on CPU even under a `meta` device context).
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         self.int4_gate: Int4Gate | None = None  # shared by the linears that have 4-bit forms, once frozen
+        self.batch_invariant = False  # attend every row alike (`batch_invariant.py`)
 
     def freeze(self, int4: Int4Choice | None = None) -> None:
         """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`), with the 4-bit forms `int4`
@@ -266,7 +275,7 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm of the rows `batch.logits_indices`."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
-        meta = AttentionMetadata.build(batch, kv_caches[0])
+        meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant)
         if self.int4_gate is not None:
             self.int4_gate.prompt_step = bool(meta.prefills)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from gracelm.model.sampler import top_per_row
 from gracelm.model_step import PromptLogprobs, PromptRows
 
 # Rows normalised at once: a long prompt chunk's log-softmax is made in pieces, so that it never holds a
@@ -18,7 +19,8 @@ def prompt_logprobs(logits: torch.Tensor, rows: list[PromptRows]) -> dict[str, P
     if not rows:
         return {}
     targets = torch.tensor([t for r in rows for t in r.target_ids], dtype=torch.int64, device=logits.device)
-    num_top = max(r.num_top for r in rows)
+    counts = [r.num_top for r in rows for _ in r.target_ids]  # each logits row's top-N
+    num_top = max(counts)
     chosen, ranks, top_values, top_ids = [], [], [], []
     for start in range(0, logits.shape[0], _PIECE_ROWS):
         piece = torch.log_softmax(logits[start:start + _PIECE_ROWS].float(), dim=-1)
@@ -27,7 +29,7 @@ def prompt_logprobs(logits: torch.Tensor, rows: list[PromptRows]) -> dict[str, P
         chosen.append(value.squeeze(1))
         ranks.append((piece > value).sum(dim=1) + 1)
         if num_top:
-            values, ids = piece.topk(num_top, dim=-1)
+            ids, values = top_per_row(piece, counts[start:start + _PIECE_ROWS], num_top)
             top_values.append(values)
             top_ids.append(ids)
     logprobs, rank_list = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()

@@ -233,8 +233,9 @@ def _prefixes(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Ten
               min_p: torch.Tensor | None) -> list[Candidates]:
     """Each row's most probable tokens, sorted, filtered by top-k, top-p and min-p.
 
-    A row with top-k is done with the first prefix (as wide as the largest k). A row with top-p only is done
-    once its prefix holds `top_p` of the mass, measured against the whole vocabulary's.
+    A row with top-k is done with its first prefix (`_PREFIX` wide, or k). A row with top-p only is done once
+    its prefix holds `top_p` of the mass, measured against the whole vocabulary's. A row's prefix widths are
+    its own, never its batch mates': the normalising sum and the order of tied logits follow the width.
     """
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -242,12 +243,23 @@ def _prefixes(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Ten
     p = top_p if top_p is not None else torch.ones(num_rows, device=device)
     has_k = k < vocab_size
     log_total = None if bool(has_k.all()) else torch.logsumexp(logits, dim=-1, keepdim=True)
-    width = min(vocab_size, max(_PREFIX, int(k[has_k].max()) if bool(has_k.any()) else 0))
-    pending: torch.Tensor | None = None  # rows still to resolve; None: all
+    widths = torch.where(has_k, k.clamp(min=_PREFIX), _PREFIX).clamp(max=vocab_size)
+    found = []
+    for width in widths.unique().tolist():
+        rows = None if bool((widths == width).all()) else torch.nonzero(widths == width).squeeze(1)
+        found += _prefixes_from(logits, k, p, min_p, log_total, rows, width)
+    return found
+
+
+def _prefixes_from(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, min_p: torch.Tensor | None,
+                   log_total: torch.Tensor | None, rows: torch.Tensor | None, width: int) -> list[Candidates]:
+    """The candidates of `rows` (None: all), reading prefixes from `width` on, widened until each is done."""
+    vocab_size = logits.shape[1]
+    pending = rows  # rows still to resolve; None: all
     found = []
     while True:
-        rows = [_select(t, pending) for t in (logits, k, p, min_p, log_total)]
-        probs, token_ids, done = _prefix(*rows, width=width, vocab_size=vocab_size)
+        selected = [_select(t, pending) for t in (logits, k, p, min_p, log_total)]
+        probs, token_ids, done = _prefix(*selected, width=width, vocab_size=vocab_size)
         if bool(done.all()):
             found.append(Candidates(pending, probs, token_ids))
             return found
@@ -311,7 +323,7 @@ class SamplingMetadata:
     groups: list[SamplingGroup]  # the random rows, by how they sample
     penalties: Penalties | None
     constraints: TokenConstraints | None  # masks and biases of the constrained rows
-    max_num_logprobs: int | None  # largest top-n asked in the batch; None: no row wants logprobs
+    num_logprobs: list[int] | None  # per row, the top-n asked (0: none, or no logprobs); None: no row asks
     default_generator: torch.Generator | None  # None: torch's global generator
 
     @classmethod
@@ -324,14 +336,15 @@ class SamplingMetadata:
         if not len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError("SamplingMetadata.build: one entry per row is needed in every list")
         greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_BELOW]
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        asked = any(p.logprobs is not None for p in params)
         return cls(
             num_rows=len(params), vocab_size=vocab_size, all_greedy=len(greedy) == len(params),
             greedy_rows=torch.tensor(greedy, dtype=torch.int64) if 0 < len(greedy) < len(params) else None,
             groups=_groups(params, generators, vocab_size),
             penalties=Penalties.build(params, prompt_token_ids, output_token_ids, vocab_size),
             constraints=constraints,
-            max_num_logprobs=max(asked) if asked else None, default_generator=default_generator,
+            num_logprobs=[p.logprobs or 0 for p in params] if asked else None,
+            default_generator=default_generator,
         )
 
     def to(self, device: torch.device) -> SamplingMetadata:
@@ -368,7 +381,8 @@ def _groups(params: list[SamplingParams], generators: list[torch.Generator | Non
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] float32, raw logprob of the sampled token; None: no row asked
-    top_logprob_ids: torch.Tensor | None  # [B, N] int64, most likely first; N = meta.max_num_logprobs
+    # [B, N] int64, most likely first, N the largest top-n asked; a row's first top-n columns are its own
+    top_logprob_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None  # [B, N] float32; None where N is 0 or no row asked
 
 
@@ -376,8 +390,8 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Samples one token per row of `logits` [B, V]; float32 contiguous logits are overwritten in place.
 
-    Logprobs are computed for every row as soon as one row asks; a row reads its own top-n as a prefix.
-    Runs on the logits' device; the output is on the CPU.
+    Logprobs are computed for every row as soon as one row asks. Runs on the logits' device; the output is
+    on the CPU.
     """
     if logits.shape != (meta.num_rows, meta.vocab_size):
         raise ValueError(f"sample: logits of shape {tuple(logits.shape)} for a batch of "
@@ -385,7 +399,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     logits = logits.float().contiguous()
     meta = meta.to(logits.device)
     raw_logprobs = None
-    if meta.max_num_logprobs is not None:
+    if meta.num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(nan=-_FLOAT_MAX, neginf=-_FLOAT_MAX)
     if meta.constraints is not None:
         meta.constraints.apply(logits)
@@ -403,16 +417,35 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
                 token_ids = group.sample(logits, meta.default_generator)
             else:
                 token_ids[group.rows] = group.sample(logits[group.rows], meta.default_generator)
-    return _with_logprobs(token_ids, raw_logprobs, meta.max_num_logprobs)
+    return _with_logprobs(token_ids, raw_logprobs, meta.num_logprobs)
 
 
 def _with_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
-                   max_num_logprobs: int | None) -> SamplerOutput:
+                   num_logprobs: list[int] | None) -> SamplerOutput:
     """The output, on the CPU."""
-    if raw_logprobs is None:
+    if raw_logprobs is None or num_logprobs is None:
         return SamplerOutput(token_ids.cpu(), None, None, None)
     sampled = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    if not max_num_logprobs:
+    if not max(num_logprobs):
         return SamplerOutput(token_ids.cpu(), sampled.cpu(), None, None)
-    top = raw_logprobs.topk(max_num_logprobs, dim=-1)
-    return SamplerOutput(token_ids.cpu(), sampled.cpu(), top.indices.cpu(), top.values.cpu())
+    ids, values = top_per_row(raw_logprobs, num_logprobs)
+    return SamplerOutput(token_ids.cpu(), sampled.cpu(), ids.cpu(), values.cpu())
+
+
+def top_per_row(logprobs: torch.Tensor, counts: list[int],
+                width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids and values of each row's `counts[row]` largest logprobs, most likely first, as [R, width]
+    tensors (default width: the largest count; a row's columns past its count are filler). Rows asking the
+    same count share one `topk` of that count: ties are ordered as that count's `topk` orders them, so a row's
+    answer is the same in any batch."""
+    width = max(counts) if width is None else width
+    if all(count == width for count in counts):
+        top = logprobs.topk(width, dim=-1)
+        return top.indices, top.values
+    ids = torch.zeros(len(counts), width, dtype=torch.int64, device=logprobs.device)
+    values = torch.full((len(counts), width), -_FLOAT_MAX, device=logprobs.device)
+    for count in set(counts) - {0}:
+        rows = torch.tensor([row for row, c in enumerate(counts) if c == count], device=logprobs.device)
+        top = logprobs.index_select(0, rows).topk(count, dim=-1)
+        ids[rows, :count], values[rows, :count] = top.indices, top.values
+    return ids, values

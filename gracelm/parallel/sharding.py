@@ -16,6 +16,7 @@ a decode step, so splitting it matters more than anything else.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gracelm.arith import cdiv
+from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM
 from gracelm.parallel.layout import check_shardable
@@ -41,17 +43,28 @@ class CommTimer:
 
 
 class RowParallelLinear(nn.Module):
-    """A linear over a slice of the input features; the partial products are summed across ranks."""
+    """A linear over a slice of the input features; the partial products are summed across ranks.
+
+    `in_rank_order` (batch-invariant mode, more than two ranks): gloo's ring all-reduce adds an element's
+    partial sums in an order that depends on where the element falls in the tensor, so on the number of rows;
+    instead every rank gathers the parts and adds them in rank order. (Two parts are added alike either way.)
+    """
 
     def __init__(self, linear: nn.Linear, timer: CommTimer) -> None:
         super().__init__()
         self.linear = linear
         self.timer = timer
+        self.in_rank_order = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear(x)
         started = time.perf_counter()
-        dist.all_reduce(out)
+        if self.in_rank_order:
+            parts = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, out)
+            out = functools.reduce(torch.add, parts)
+        else:
+            dist.all_reduce(out)
         self.timer.add(started)
         return out
 
@@ -78,6 +91,13 @@ class TensorParallelModel(nn.Module):
         # Only now, on this rank's slices: freezing stacks each layer's q/k/v and gate/up shards into one
         # matmul and also reaches the linears inside the `RowParallelLinear`s.
         self.model.freeze()
+
+    def make_batch_invariant(self) -> None:
+        """Batch-invariant mode (`model/batch_invariant.py`), the partial sums added in rank order too."""
+        make_batch_invariant(self)
+        for module in self.modules():
+            if isinstance(module, RowParallelLinear):
+                module.in_rank_order = self.world_size > 2
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:

@@ -34,11 +34,13 @@ import torch
 from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
+from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.device import resolve_device
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import describe_linear_kernels
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.prompt_logprobs import prompt_logprobs
+from gracelm.model.quantized_linear import INT4_MAX_ROWS
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
 from gracelm.model.token_constraints import ConstraintStates, has_constraints
 from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch, StepResult
@@ -97,7 +99,13 @@ class Worker:
                 self.loaded.int4 = {}
             self.shard = TensorParallelModel(self.loaded.model, self.rank, self.world_size)
         else:
-            self.loaded.freeze()
+            # Deterministic mode: one kernel for every batch size, the dense one (the int4 kernel's crossover
+            # would make a row's bits depend on the size of its step).
+            self.loaded.freeze(0 if self.config.deterministic else INT4_MAX_ROWS)
+        if self.config.deterministic and self.shard is not None:
+            self.shard.make_batch_invariant()
+        elif self.config.deterministic:
+            make_batch_invariant(self.loaded.model)
         model = self.shard if self.shard is not None else self.loaded.model
         logger.info("rank %d linear kernels: %s", self.rank, describe_linear_kernels(model))
         return self.loaded
