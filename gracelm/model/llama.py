@@ -65,6 +65,8 @@ class FrozenLinear(nn.Module):
         self.weight = weight if self.packed is None else None
         self.int4 = None if int4 is None else int4.to_dtype(weight.dtype)
         self.int4_gate = Int4Gate(int4_max_rows)  # its own until a model shares one (`of`)
+        # Batch-invariant mode: the matmul that replaces `matmul` (`batch_invariant.py`).
+        self.invariant_matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def int4_max_rows(self) -> int:
@@ -73,8 +75,6 @@ class FrozenLinear(nn.Module):
     @int4_max_rows.setter
     def int4_max_rows(self, rows: int) -> None:
         self.int4_gate.max_rows = rows
-        # Batch-invariant mode: the matmul that replaces `matmul` (`batch_invariant.py`).
-        self.invariant_matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def of(cls, linears: list[nn.Module], int4: Int4Choice | None = None) -> FrozenLinear:
