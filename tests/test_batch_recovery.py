@@ -172,3 +172,36 @@ def test_a_graceful_stop_mid_batch_fails_nothing_and_a_restart_completes_it(tmp_
     with serve(tmp_path) as restarted:
         assert_complete(client(restarted.url), batch.id, [line["custom_id"] for line in lines])
     assert integrity(tmp_path) == "ok"
+
+
+def _contents(answers: dict[str, dict]) -> dict[str, tuple[str, dict]]:
+    """Each line's answer text and token counts: what a rerun must reproduce (ids and times differ)."""
+    return {custom_id: (a["response"]["body"]["choices"][0]["message"]["content"],
+                        a["response"]["body"]["usage"]) for custom_id, a in answers.items()}
+
+
+def test_in_deterministic_mode_a_resumed_batch_answers_as_an_uninterrupted_one(tmp_path):
+    """bfloat16, sampled lines (each with its own seed): the batch killed with -9 half-way and resumed gives,
+    line for line, the answers of the same batch run without interruption on another state dir."""
+    lines = chat_lines(16, max_tokens=8, ignore_eos=True, temperature=1.0)
+    for i, line in enumerate(lines):
+        line["body"]["seed"] = 100 + i
+    mode = ("--deterministic", "--dtype", "bfloat16")
+    custom_ids = [line["custom_id"] for line in lines]
+    with serve(tmp_path / "whole", None, *mode) as server:
+        api = client(server.url)
+        whole = _contents(assert_complete(api, submit(api, jsonl(lines)).id, custom_ids))
+    server = serve(tmp_path / "killed", SLOW_STEPS, *mode)
+    try:
+        api = client(server.url)
+        batch = submit(api, jsonl(lines))
+        wait_for(api, batch.id, lambda b: b.request_counts.completed >= 4)
+        kill_9(server)
+    finally:
+        server.close_log()
+    assert 4 <= len(committed(tmp_path / "killed")) < len(lines)
+    with serve(tmp_path / "killed", None, *mode) as restarted:
+        resumed = _contents(assert_complete(client(restarted.url), batch.id, custom_ids))
+    assert resumed == whole
+    server.assert_nothing_left()
+    assert integrity(tmp_path / "killed") == "ok"
