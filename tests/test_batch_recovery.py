@@ -66,9 +66,10 @@ def assert_complete(api: openai.OpenAI, batch_id: str, custom_ids: list[str]) ->
     return answers
 
 
-def test_kill_9_of_the_whole_server_keeps_finished_lines_and_resumes_the_rest(tmp_path):
-    lines = chat_lines(20, max_tokens=8, ignore_eos=True)
-    server = serve(tmp_path, SLOW_STEPS)
+def killed_half_way(state_dir: Path, lines: list[dict], *args: str) -> tuple[ServerProcess, str]:
+    """A server (steps slowed) given the batch of `lines`, killed with -9 once 4 lines finished; the server
+    (to check what it left) and the batch's id."""
+    server = serve(state_dir, SLOW_STEPS, *args)
     try:
         api = client(server.url)
         batch = submit(api, jsonl(lines))
@@ -76,14 +77,20 @@ def test_kill_9_of_the_whole_server_keeps_finished_lines_and_resumes_the_rest(tm
         kill_9(server)
     finally:
         server.close_log()
+    return server, batch.id
+
+
+def test_kill_9_of_the_whole_server_keeps_finished_lines_and_resumes_the_rest(tmp_path):
+    lines = chat_lines(20, max_tokens=8, ignore_eos=True)
+    server, batch_id = killed_half_way(tmp_path, lines)
     before = committed(tmp_path)
     assert 4 <= len(before) < len(lines) and integrity(tmp_path) == "ok"
     with serve(tmp_path) as restarted:
         api = client(restarted.url)
-        answers = assert_complete(api, batch.id, [line["custom_id"] for line in lines])
+        answers = assert_complete(api, batch_id, [line["custom_id"] for line in lines])
         # The lines finished before the crash were not run again: their output is the one committed then.
         rows = journal_rows(tmp_path, "SELECT line, custom_id, attempt FROM lines WHERE batch_id = ?",
-                            batch.id)
+                            batch_id)
         by_line = {number: (custom_id, attempt) for number, custom_id, attempt in rows}
         for (_, number), output in before.items():
             assert answers[by_line[number][0]] == json.loads(output)
@@ -191,17 +198,10 @@ def test_in_deterministic_mode_a_resumed_batch_answers_as_an_uninterrupted_one(t
     with serve(tmp_path / "whole", None, *mode) as server:
         api = client(server.url)
         whole = _contents(assert_complete(api, submit(api, jsonl(lines)).id, custom_ids))
-    server = serve(tmp_path / "killed", SLOW_STEPS, *mode)
-    try:
-        api = client(server.url)
-        batch = submit(api, jsonl(lines))
-        wait_for(api, batch.id, lambda b: b.request_counts.completed >= 4)
-        kill_9(server)
-    finally:
-        server.close_log()
+    server, batch_id = killed_half_way(tmp_path / "killed", lines, *mode)
     assert 4 <= len(committed(tmp_path / "killed")) < len(lines)
     with serve(tmp_path / "killed", None, *mode) as restarted:
-        resumed = _contents(assert_complete(client(restarted.url), batch.id, custom_ids))
+        resumed = _contents(assert_complete(client(restarted.url), batch_id, custom_ids))
     assert resumed == whole
     server.assert_nothing_left()
     assert integrity(tmp_path / "killed") == "ok"
