@@ -72,7 +72,11 @@ def test_on_fatal_replaces_the_default_reaction(model):
 
 def _script(model: str, body: str) -> str:
     return textwrap.dedent(f"""
-        import os, sys
+        import os, signal, sys
+        # Ctrl-C as in a user's interpreter, whatever disposition or mask the test runner's process passed on
+        # (an ignored SIGINT is inherited, and Python then installs no KeyboardInterrupt handler).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
         os.environ["GRACELM_TEST_HOOKS"] = '{{"test_step_sleep_s": 0.05}}'
         from gracelm import Engine, SamplingParams
         llm = Engine({model!r}, kv_cache_memory="1MiB", num_threads=1)
@@ -122,6 +126,6 @@ def test_ctrl_c_inside_generate_raises_keyboard_interrupt_and_leaves_no_child(mo
             raise
     """
     code, output, core_pid = _run_script(_script(model, body), interrupt=True)
-    assert "KeyboardInterrupt reached the user" in output, output
+    assert "KeyboardInterrupt reached the user" in output, (code, output)
     assert code != 0
     assert _gone(core_pid)
