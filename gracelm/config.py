@@ -162,6 +162,9 @@ class EngineConfig:
     deterministic: bool = option(False, "batch-invariant computation: a request's tokens (greedy, or "
                                         "sampled with a seed) do not depend on the other requests it is "
                                         "batched with, at some cost in speed")
+    enforce_eager: bool = option(False, "never run the compiled decode step (by default a bfloat16 CPU model "
+                                        "with 4-bit weights compiles it in the background and keeps it in "
+                                        "the cache)")
     shutdown_timeout: float = option(30.0, "seconds running requests may take to finish at a stop (0: abort "
                                            "at once)", check=at_least(0))
     engine_hang_timeout: float = option(60.0, "seconds without step progress, with work pending, before a "

@@ -42,8 +42,11 @@ class City(BaseModel):
 @pytest.fixture(scope="module")
 def server():
     # Leaving the block stops it (SIGTERM) and checks that nothing is left: processes, port, runtime dir.
+    # Eager: a compiled decode step loaded half-way through (`model/decode_graph.py`) would change the speed,
+    # and could change the last bits of logits, under the tests that compare seeded runs.
     with ServerProcess(None, "--served-model-name", "default", "--max-model-len", "1024",
-                       "--kv-cache-memory", "64MiB", env={"OMP_WAIT_POLICY": "PASSIVE"}) as s:
+                       "--kv-cache-memory", "64MiB", "--enforce-eager",
+                       env={"OMP_WAIT_POLICY": "PASSIVE"}) as s:
         yield s
 
 

@@ -18,10 +18,10 @@ Batch-invariant mode (`AttentionMetadata.build(..., batch_invariant=True)`, see 
 query row's result must not depend on the rows beside it, nor on whether it is a decode token or a row of a
 prefill chunk of any length. SDPA's blocking follows the chunk's length, so there every row goes through
 the decode computation: a prefill chunk becomes query groups of one sequence and up to `_PREFILL_TILE` rows,
-each row masked to its own context. That computation is row-invariant: the score matmul gives a row the
-same bits whatever the other rows and the key length (tests/test_deterministic.py), once it is not too small
-(`_MIN_SCORE_ROWS`, `_MIN_KEYS`: rows and keys are padded up to them); the softmax and the value sums are per
-row, and the padding adds exact zeros.
+each row masked to its own context. That computation is row-invariant: the score matmul (`score_matmul`)
+gives a row the same bits whatever the other rows and the key length (tests/test_deterministic.py), once it
+is not too small (`_MIN_SCORE_ROWS`, `_MIN_KEYS`: rows and keys are padded up to them); the softmax and the
+value sums are per row, and the padding adds exact zeros.
 """
 
 from __future__ import annotations
@@ -209,10 +209,8 @@ def paged_attention(
     each sequence's cached context. Returns [T, heads * head_dim] in q's dtype."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
-    key_cache = kv_cache[0].view(kv_heads, -1, head_dim)
-    value_cache = kv_cache[1].view(kv_heads, -1, head_dim)
-    key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
-    value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+    kv_cache.view(2, kv_heads, -1, head_dim)[:, :, meta.slot_mapping] = (
+        torch.stack((k, v)).transpose(1, 2).to(kv_cache.dtype))
     scale = 1.0 / math.sqrt(head_dim)
     groups = meta.groups
     if len(groups) == 1 and groups[0].rows is None:
@@ -251,7 +249,8 @@ def _group_attention(
     if score_rows > queries:
         grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, score_rows - queries))
     grouped = grouped.permute(2, 0, 1, 3, 4).reshape(kv_heads * batch, score_rows * per_kv, head_dim)
-    scores = torch.bmm(grouped, keys.transpose(1, 2)).view(kv_heads, batch, score_rows, per_kv, length)
+    scores = score_matmul(grouped, keys, group.batch_invariant)
+    scores = scores.view(kv_heads, batch, score_rows, per_kv, length)
     scores = scores[:, :, :queries].float().mul_(scale).add_(group.mask)
     probs = scores.softmax(dim=-1)  # [kv_heads, B, R, per_kv, length]
     if group.value_bags is None:
@@ -262,6 +261,16 @@ def _group_attention(
     out = F.embedding_bag(indices, values, offsets, mode="sum", per_sample_weights=weights)
     out = out.view(kv_heads, batch, queries, per_kv, head_dim).to(dtype)
     return out.permute(1, 2, 0, 3, 4).reshape(num_rows, num_heads * head_dim)
+
+
+def score_matmul(queries: torch.Tensor, keys: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    """queries [G, R, D] x keys [G, L, D] -> [G, R, L]. In batch-invariant mode in float32, products summed
+    over D one output at a time rather than MKL's matmul: on a Zen 5 CPU its kernel for 4 rows rounds a row
+    otherwise than its kernel for 3 (on Zen 4, from 3 rows on every count agreed). Slower, and only for a
+    float32 model in that mode; oneDNN's bfloat16 matmul agrees at every count of rows from 3 on on both."""
+    if batch_invariant and queries.dtype == torch.float32:
+        return (queries[:, :, None, :] * keys[:, None, :, :]).sum(-1)
+    return torch.bmm(queries, keys.transpose(1, 2))
 
 
 def _value_bags(
@@ -275,7 +284,9 @@ def _value_bags(
     heads = torch.arange(kv_heads, device=slots.device).view(kv_heads, 1, 1, 1) * slots_per_head
     indices = (heads + slots.view(1, batch, 1, length)).expand(kv_heads, batch, bags_per_seq, length)
     indices = indices.reshape(-1)
-    offsets = torch.arange(0, indices.numel(), length, device=slots.device)
+    # Bag i starts at i * length (written so, not as a strided arange, for the exported decode graph's
+    # shape arithmetic: `model/decode_graph.py`).
+    offsets = torch.arange(kv_heads * batch * bags_per_seq, device=slots.device) * length
     return indices, offsets
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.attention import AttentionMetadata, paged_attention
+from gracelm.model.decode_graph import DecodeGraph
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Choice, Int4Gate, Int4Linear
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -260,6 +261,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         self.int4_gate: Int4Gate | None = None  # shared by the linears that have 4-bit forms, once frozen
         self.batch_invariant = False  # attend every row alike (`batch_invariant.py`)
+        self.decode_graph: DecodeGraph | None = None  # the compiled decode step, once loaded
 
     def freeze(self, int4: Int4Choice | None = None) -> None:
         """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`), with the 4-bit forms `int4`
@@ -273,14 +275,28 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states after the final norm of the rows `batch.logits_indices`."""
+        x, cos, sin, meta = self.step_inputs(batch, kv_caches)
+        if self._graph_serves(batch):
+            return self.decode_graph(x, cos, sin, meta, kv_caches).index_select(0, batch.logits_indices)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x.index_select(0, batch.logits_indices))
+
+    def step_inputs(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """What every layer of the step takes: the embedded tokens, rope's cos and sin, the attention
+        metadata; and the int4 gate told whether the step has prompt rows."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
         meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant)
         if self.int4_gate is not None:
             self.int4_gate.prompt_step = bool(meta.prefills)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x.index_select(0, batch.logits_indices))
+        return x, cos, sin, meta
+
+    def _graph_serves(self, batch: ForwardBatch) -> bool:
+        """Whether the compiled decode step serves this step: it was traced through the int4 kernels."""
+        return (self.decode_graph is not None and self.decode_graph.serves(batch) and not self.batch_invariant
+                and self.int4_gate is not None and self.int4_gate.admits(1))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -27,7 +27,9 @@ from gracelm.config import EngineConfig, ModelConfig
 from gracelm.lifecycle.ledger import Ledger, Outcome, ResourceKind, ResourceReport, ShutdownReport
 from gracelm.model.loader import LoadedModel
 from gracelm.model_step import ModelStep, StepResult
+from gracelm.parallel import decode_graph_build
 from gracelm.parallel import messages as m
+from gracelm.parallel.decode_graph_build import DecodeGraphBuild
 from gracelm.parallel.distributed import (
     BACKEND,
     RENDEZVOUS_TIMEOUT_S,
@@ -62,6 +64,7 @@ class Executor:
         self.steps = 0
         self.send_s = 0.0
         self._timer: CommTimer | None = None  # rank 0's collective time, kept past the model's release
+        self.decode_graph: DecodeGraphBuild | None = None  # one rank only: see `decode_graph_build.py`
         if self.layout.world_size > 1:
             check_parallel_config(config)
             try:
@@ -104,12 +107,16 @@ class Executor:
         self.ledger.acquire(ResourceKind.KV_CACHE, f"{num_blocks} blocks, rank 0", self._driver.free_kv_cache)
         if self._group is not None:
             self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
+        elif decode_graph_build.applies(self.config, self._driver.loaded, self.layout.world_size):
+            self.decode_graph = DecodeGraphBuild(self.config, self._driver.loaded, self.ledger)
 
     def execute(self, step: ModelStep) -> StepResult:
         """Runs one step on every rank; the sampled token of each row of `step.request_ids`, in order (a
         `SamplingFault` for a row whose sampling raised: only its request ends), and the prompt logprobs of
         `step.prompt_rows` (rank 0 has the gathered logits of every row)."""
         if self._group is None:
+            if self.decode_graph is not None:
+                self.decode_graph.poll()
             return self._driver.sample_step(step)
         started = time.perf_counter()
         step.batch.sent_at = time.time()

@@ -1,0 +1,161 @@
+"""The compiled decode step (`model/decode_graph.py`) and its background build
+(`parallel/decode_graph_build.py`), on a tiny 4-bit GGUF model: the graph gives eager's logits and writes the
+KV cache as eager does, over paged, shuffled blocks at every context length it serves; a server compiles it
+in the background while it serves eagerly, then serves compiled, answers the same, and stops with nothing
+left (during the compile too); the next start loads it from the cache without compiling."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from openai import OpenAI
+
+from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.decode_graph import MAX_CONTEXT, DecodeGraph, compile_graph
+from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.loader import load_model
+from tests.server_process import ServerProcess
+from tests.test_gguf import Q
+from tests.test_quantized_linear import needs_native_bf16, tiny_gguf
+
+pytestmark = needs_native_bf16
+BLOCK = 16
+COMPILE_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_gguf(tmp_path_factory.mktemp("decode-graph") / "tiny-q4.gguf", Q.Q4_1)
+
+
+@pytest.fixture(scope="module")
+def compiled(gguf: Path, tmp_path_factory: pytest.TempPathFactory):
+    loaded = load_model(gguf, dtype="bfloat16")
+    loaded.freeze()
+    path = tmp_path_factory.mktemp("graph") / "graph.pt2"
+    compile_graph(loaded.model, BLOCK, path)
+    return loaded.model, DecodeGraph.load(path)
+
+
+def decode_batch(context: int, table: torch.Tensor, token: int = 7) -> ForwardBatch:
+    """One sequence's decode token at position `context` (after `context` cached tokens)."""
+    slot = int(table[context // BLOCK]) * BLOCK + context % BLOCK
+    return ForwardBatch(input_ids=torch.tensor([token]), positions=torch.tensor([context]),
+                        slot_mapping=torch.tensor([slot]), query_lens=[1], seq_lens=[context + 1],
+                        block_tables=table[None, : context // BLOCK + 1].contiguous(),
+                        logits_indices=torch.tensor([0]))
+
+
+@pytest.mark.parametrize("context", [0, 1, 15, 16, 17, 100, MAX_CONTEXT - 1])
+def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, context: int) -> None:
+    model, graph = compiled
+    blocks = MAX_CONTEXT // BLOCK + 8
+    generator = torch.Generator().manual_seed(context)
+    table = torch.randperm(blocks, generator=generator)  # paged: blocks in no order, none contiguous
+    before = allocate_kv_cache(model.config, blocks, BLOCK, torch.bfloat16)
+    for cache in before:
+        cache.normal_(generator=generator)
+    eager_caches, graph_caches = [c.clone() for c in before], [c.clone() for c in before]
+    batch = decode_batch(context, table)
+    assert graph.serves(batch)
+    with torch.inference_mode():
+        model.model.decode_graph = None
+        eager = model(batch, eager_caches)
+        model.model.decode_graph = graph
+        ours = model(batch, graph_caches)
+    model.model.decode_graph = None
+    # Inductor rounds where eager rounds (emulate_precision_casts); a fused reduction may still sum in
+    # another order, so the bound is bfloat16's rounding of the logits, not bit equality.
+    torch.testing.assert_close(ours, eager, rtol=1.6e-2, atol=1e-2)
+    assert ours.abs().max() > 1.0  # far from zero, so a wrong path would show
+    slot = batch.slot_mapping.item()
+    for old, eager_cache, graph_cache in zip(before, eager_caches, graph_caches, strict=True):
+        torch.testing.assert_close(graph_cache, eager_cache, rtol=1.6e-2, atol=1e-2)
+        written = (graph_cache != old).any(-1).view(2, graph_cache.shape[1], -1)  # by slot
+        assert written[..., slot].all() and written.sum() == written[..., slot].sum()  # that slot only
+
+
+def test_the_graph_serves_one_sequence_of_a_bounded_context_only() -> None:
+    table = torch.arange(MAX_CONTEXT // BLOCK + 2)
+    assert DecodeGraph.serves(decode_batch(MAX_CONTEXT - 1, table))
+    assert not DecodeGraph.serves(decode_batch(MAX_CONTEXT, table))  # longer: eager is faster there
+    two = ForwardBatch(input_ids=torch.tensor([1, 2]), positions=torch.tensor([3, 3]),
+                       slot_mapping=torch.tensor([3, 19]), query_lens=[1, 1], seq_lens=[4, 4],
+                       block_tables=torch.tensor([[0], [1]]), logits_indices=torch.tensor([0, 1]))
+    prompt = ForwardBatch(input_ids=torch.tensor([1, 2]), positions=torch.tensor([0, 1]),
+                          slot_mapping=torch.tensor([0, 1]), query_lens=[2], seq_lens=[2],
+                          block_tables=torch.tensor([[0]]), logits_indices=torch.tensor([1]))
+    assert not DecodeGraph.serves(two) and not DecodeGraph.serves(prompt)
+
+
+def wait_for_log(server: ServerProcess, pattern: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, server.log()):
+        assert server.process.poll() is None, server.log()[-5000:]
+        assert time.monotonic() < deadline, f"{pattern!r} not logged in {timeout} s:\n{server.log()[-5000:]}"
+        time.sleep(0.2)
+
+
+def greedy(server: ServerProcess, prompt: str) -> str:
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    return answer.choices[0].text
+
+
+def compiler_pids(server: ServerProcess) -> list[int]:
+    """The compilers the core said it started that are still running."""
+    pids = [int(pid) for pid in re.findall(r"compiling in the background \(pid (\d+)\)", server.log())]
+    return [pid for pid in pids
+            if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_server_compiles_in_the_background_then_serves_compiled_and_the_next_start_loads_it(
+        gguf: Path, tmp_path: Path) -> None:
+    env = {"GRACELM_CACHE_DIR": str(tmp_path / "cache")}
+    args = ("--served-model-name", "tiny", "--num-threads", "1", "--kv-cache-memory", "8MiB")
+    with ServerProcess(gguf, *args, env=env) as server:
+        assert compiler_pids(server), server.log()  # started at once, the server already ready
+        before = [greedy(server, p) for p in ("the cat", "a river of light")]  # eager meanwhile
+        wait_for_log(server, r"decode graph written to", COMPILE_TIMEOUT_S)
+        psutil.wait_procs([psutil.Process(pid) for pid in compiler_pids(server)], timeout=30)
+        after = [greedy(server, p) for p in ("the cat", "a river of light")]  # the first step loads it
+        assert "decode graph loaded" in server.log()
+        assert after == before  # same greedy answers compiled as eager
+        server.stop()
+        assert re.search(r"decode graph compiler \(pid \d+\).*released", server.log()), server.log()[-3000:]
+    packages = list((tmp_path / "cache" / "graphs").glob("*.pt2"))
+    assert len(packages) == 1 and not packages[0].name.startswith(".")
+    with ServerProcess(gguf, *args, env=env) as again:
+        assert re.search(r"decode graph loaded.*\n(.*\n)*.*engine core ready", again.log()), again.log()
+        assert "compiling in the background" not in again.log() and not compiler_pids(again)
+        assert [greedy(again, p) for p in ("the cat", "a river of light")] == before
+
+
+def test_a_stop_during_the_compile_leaves_nothing(gguf: Path, tmp_path: Path) -> None:
+    env = {"GRACELM_CACHE_DIR": str(tmp_path / "cache")}
+    server = ServerProcess(gguf, "--num-threads", "1", env=env)
+    try:
+        pids = compiler_pids(server)
+        assert pids, server.log()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.wait_exit() == 0, server.log()[-5000:]
+        server.assert_nothing_left()
+        assert not compiler_pids(server)
+        assert not list((tmp_path / "cache" / "graphs").glob("*.pt2"))  # nothing half written
+    finally:
+        if server.process.poll() is None:
+            server.kill()
+        server.close_log()
+
+
+def test_enforce_eager_compiles_nothing(gguf: Path, tmp_path: Path) -> None:
+    env = {"GRACELM_CACHE_DIR": str(tmp_path / "cache")}
+    with ServerProcess(gguf, "--enforce-eager", "--num-threads", "1", env=env) as server:
+        assert not compiler_pids(server)
+        assert "decode graph" not in server.log()
