@@ -4,6 +4,7 @@
     .venv/bin/python bench/forward.py --quick                 # fewer repetitions, bfloat16 only
     .venv/bin/python bench/forward.py --dtypes bfloat16 --batches 1,64 --json out.json
     .venv/bin/python bench/forward.py --int4                  # decode: dense bf16 vs int4 vs the dispatch
+    .venv/bin/python bench/forward.py --decode-graph          # one sequence's decode: compiled vs eager
     .venv/bin/python bench/forward.py --llama-bench           # beside llama-bench -t 2 -p 512 -n 128
 
 On the default model (SmolLM2-135M-Instruct), frozen as the engine runs it (`LoadedModel.freeze()`: in
@@ -17,6 +18,10 @@ utilisation, and read bandwidth (a sum over a tensor far larger than the caches)
 utilisation of a decode step (weights + KV read per step, over bandwidth, against the step time).
 The machine may be shared and noisy: every figure is the median of several repetitions after a warm-up,
 and ours and transformers' alternate within each repetition, so that a busy spell slows both alike.
+
+`--decode-graph` times the step of one sequence eager against the compiled decode step
+(`gracelm/model/decode_graph.py`; its package from gracelm's cache, compiled here and kept there when
+missing), alternating, at each of `--contexts`, and says how far apart their logits are.
 
 `--int4` compares the linear kernels instead, on the same frozen bfloat16 model: decode steps with dense
 bfloat16 weights at every batch size, with the int4 form at every batch size, and with the dispatch the
@@ -46,13 +51,16 @@ from pathlib import Path
 
 import torch
 
-from gracelm.config import ModelConfig
+from gracelm.config import EngineConfig, ModelConfig
 from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.decode_graph import DecodeGraph, compile_graph, graph_key, graph_path
+from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import FrozenLinear, set_int4_max_rows
 from gracelm.model.loader import DTYPES, LoadedModel, load_model
 from gracelm.model.model_files import default_model_path
 from gracelm.model.quantized_linear import INT4_MAX_ROWS
+from gracelm.parallel import decode_graph_build
 
 BLOCK_SIZE = 16
 LLAMA_BENCH = Path.home() / ".cache/gracelm-bench/llama.cpp/build/bin/llama-bench"
@@ -322,6 +330,44 @@ def bench_kernels(args: argparse.Namespace) -> list[KernelRow]:
     return rows
 
 
+def bench_decode_graph(args: argparse.Namespace) -> list[dict]:
+    """One sequence's decode step, eager against the compiled graph (from the cache, else compiled here and
+    kept there), alternating, at each `--contexts` length; and how far apart their logits are."""
+    loaded = load_model(None, dtype="bfloat16")
+    loaded.freeze()
+    if not decode_graph_build.applies(EngineConfig(), loaded, 1):
+        sys.exit("--decode-graph: it does not apply here (it needs a CPU with native bfloat16)")
+    path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, BLOCK_SIZE))
+    if not path.exists():
+        started = time.perf_counter()
+        compile_graph(loaded.model, BLOCK_SIZE, path)
+        print(f"compiled {path} in {time.perf_counter() - started:.0f} s")
+    graph, decoder = DecodeGraph.load(path), loaded.model.model
+    rows = []
+    for context in args.contexts:
+        step = OursDecode(loaded, 1, context, loaded.dtype)
+
+        def run(with_graph: bool, step: OursDecode = step) -> torch.Tensor:
+            decoder.decode_graph = graph if with_graph else None
+            return step()
+
+        eager, compiled = run(False), run(True)
+        times = interleaved_ms([lambda: run(False), lambda: run(True)], args.repeats)
+        rows.append({"context": context, "eager_ms": times[0], "compiled_ms": times[1],
+                     "max_logit_diff": float((eager - compiled).abs().max()),
+                     "bit_equal": bool(torch.equal(eager, compiled))})
+    return rows
+
+
+def format_decode_graph_table(rows: list[dict]) -> str:
+    lines = [f"{'context':>8}{'eager ms':>10}{'compiled ms':>13}{'compiled/eager':>16}{'max |dlogit|':>14}"
+             f"{'bit-equal':>11}"]
+    lines += [f"{r['context']:>8}{r['eager_ms']:>10.2f}{r['compiled_ms']:>13.2f}"
+              f"{r['compiled_ms'] / r['eager_ms']:>16.2f}{r['max_logit_diff']:>14.4f}"
+              f"{str(r['bit_equal']):>11}" for r in rows]
+    return "\n".join(lines)
+
+
 def format_kernel_table(rows: list[KernelRow], context: int) -> str:
     names = list(KERNEL_CHOICES)
     head = f"{'decode':<20}" + "".join(f"{n + ' tok/s':>17}" for n in names) + "".join(
@@ -433,6 +479,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--int4", action="store_true",
                    help="compare decode with dense bf16, int4 and the dispatch (default batches "
                         "1,2,4,8,16,32)")
+    p.add_argument("--decode-graph", action="store_true",
+                   help="one sequence's decode step, eager vs the compiled graph, at --contexts")
+    p.add_argument("--contexts", default="40,256,600,1000", help="with --decode-graph: contexts (<= 1024)")
     p.add_argument("--json", help="also write the results to this JSON file")
     p.add_argument("--llama-bench", nargs="?", type=Path, const=LLAMA_BENCH, default=None, metavar="BINARY",
                    help=f"the mode beside llama-bench (default binary: {LLAMA_BENCH})")
@@ -447,6 +496,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown dtype {', '.join(unknown)}; choose among {', '.join(DTYPES)}")
     args.batches = int_list(args.batches or ("1,2,4,8,16,32" if args.int4 else "1,16,64"))
+    args.contexts = int_list(args.contexts)
     if args.llama_bench is not None and (args.prefill < 1 or args.llama_rounds < 1):
         p.error("--llama-bench needs --prefill and --llama-rounds of at least 1")
     return args
@@ -474,6 +524,12 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.json, "w") as f:
                 json.dump({"context": args.context, "threads": torch.get_num_threads(), "int4_max_rows":
                            INT4_MAX_ROWS, "rows": [asdict(r) for r in kernel_rows]}, f, indent=2)
+        return
+    if args.decode_graph:
+        graph_rows = bench_decode_graph(args)
+        print(format_decode_graph_table(graph_rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"decode_graph": graph_rows}, indent=2))
         return
     if args.llama_bench is not None:
         rows = compare_with_llama_bench(args)

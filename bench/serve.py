@@ -304,6 +304,15 @@ class Server:
             time.sleep(0.2)
         raise TimeoutError(f"{self.label} not ready after {timeout} s")
 
+    def wait_log(self, until: str, unless: str, timeout: float = 600) -> None:
+        """Once `unless` is in the log, waits until `until` is too (gracelm's first start on a model compiles
+        its decode step in the background: measured once it serves compiled)."""
+        deadline = time.monotonic() + timeout
+        while unless in (text := Path(self._log.name).read_text()) and until not in text:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.label}: {until!r} not logged; see {self._log.name}")
+            time.sleep(0.5)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -432,6 +441,8 @@ def compare(args: argparse.Namespace) -> dict:
             server = starters[label](log_dir / f"{label}-{repeat}.log")
             try:
                 server.wait_ready()
+                if label == "gracelm":
+                    server.wait_log("decode graph written", unless="compiling in the background")
                 rows = asyncio.run(bench(server.base_url, None, Load.from_args(args)))
             finally:
                 server.stop()

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from gracelm.config import EngineConfig
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
-from gracelm.lifecycle.processes import ChildProcess, start_process
+from gracelm.lifecycle.processes import ChildProcess, exit_process, start_process
 from gracelm.model.decode_graph import DecodeGraph, compile_graph, graph_key, graph_path
 from gracelm.model.file_hash import content_hash
 from gracelm.model.loader import LoadedModel, load_model
@@ -100,6 +102,9 @@ def compile_in_child(config: EngineConfig, path: str) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s")
     os.nice(10)  # the serving core comes first
+    # torch.fx's interpreter makes a (disabled) tqdm bar, whose default lock is a multiprocessing semaphore:
+    # registered with the resource tracker in a spawned process, and left to it by the quick exit below.
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(1)
     # Before inductor reads its configuration: no pool of compile workers, and its own cache in gracelm's.
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
@@ -108,3 +113,6 @@ def compile_in_child(config: EngineConfig, path: str) -> None:
     loaded.freeze()
     compile_graph(loaded.model, config.block_size, Path(path))
     logger.info("decode graph written to %s", path)
+    # At once: the interpreter's teardown of torch and inductor took 26 s at nice 10 beside a busy core, and
+    # the core loads the package only once this process has exited.
+    exit_process(0)

@@ -64,7 +64,7 @@ class Executor:
         self.steps = 0
         self.send_s = 0.0
         self._timer: CommTimer | None = None  # rank 0's collective time, kept past the model's release
-        self.decode_graph: DecodeGraphBuild | None = None  # one rank only: see `decode_graph_build.py`
+        self.graph_build: DecodeGraphBuild | None = None  # one rank only: `decode_graph_build.py`
         if self.layout.world_size > 1:
             check_parallel_config(config)
             try:
@@ -108,15 +108,15 @@ class Executor:
         if self._group is not None:
             self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
         elif decode_graph_build.applies(self.config, self._driver.loaded, self.layout.world_size):
-            self.decode_graph = DecodeGraphBuild(self.config, self._driver.loaded, self.ledger)
+            self.graph_build = DecodeGraphBuild(self.config, self._driver.loaded, self.ledger)
 
     def execute(self, step: ModelStep) -> StepResult:
         """Runs one step on every rank; the sampled token of each row of `step.request_ids`, in order (a
         `SamplingFault` for a row whose sampling raised: only its request ends), and the prompt logprobs of
         `step.prompt_rows` (rank 0 has the gathered logits of every row)."""
         if self._group is None:
-            if self.decode_graph is not None:
-                self.decode_graph.poll()
+            if self.graph_build is not None:
+                self.graph_build.poll()
             return self._driver.sample_step(step)
         started = time.perf_counter()
         step.batch.sent_at = time.time()
