@@ -19,8 +19,8 @@ utilisation of a decode step (weights + KV read per step, over bandwidth, agains
 The machine may be shared and noisy: every figure is the median of several repetitions after a warm-up,
 and ours and transformers' alternate within each repetition, so that a busy spell slows both alike.
 
-`--decode-graph` times the step of one sequence eager against the compiled decode step
-(`gracelm/model/decode_graph.py`; its package from gracelm's cache, compiled here and kept there when
+`--decode-graph` times the decode step of `--batches` sequences (default 1, 4, 8) eager against the compiled
+one (`gracelm/model/decode_graph.py`; its packages from gracelm's cache, compiled here and kept there when
 missing), alternating, at each of `--contexts`, and says how far apart their logits are.
 
 `--int4` compares the linear kernels instead, on the same frozen bfloat16 model: decode steps with dense
@@ -53,7 +53,7 @@ import torch
 
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.model.attention import allocate_kv_cache
-from gracelm.model.decode_graph import DecodeGraph, compile_graph, graph_key, graph_path
+from gracelm.model.decode_graph import BATCHES, DecodeGraph, compile_graph, graph_key, graph_path
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import FrozenLinear, set_int4_max_rows
@@ -331,38 +331,42 @@ def bench_kernels(args: argparse.Namespace) -> list[KernelRow]:
 
 
 def bench_decode_graph(args: argparse.Namespace) -> list[dict]:
-    """One sequence's decode step, eager against the compiled graph (from the cache, else compiled here and
-    kept there), alternating, at each `--contexts` length; and how far apart their logits are."""
+    """Decode steps of `--batches` sequences (up to INT4_MAX_ROWS), eager against the compiled graphs (from
+    the cache, else compiled here and kept there), alternating, at each `--contexts` length; and how far
+    apart their logits are."""
     loaded = load_model(None, dtype="bfloat16")
     loaded.freeze()
     if not decode_graph_build.applies(EngineConfig(), loaded, 1):
         sys.exit("--decode-graph: it does not apply here (it needs a CPU with native bfloat16)")
-    path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, BLOCK_SIZE))
-    if not path.exists():
-        started = time.perf_counter()
-        compile_graph(loaded.model, BLOCK_SIZE, path)
-        print(f"compiled {path} in {time.perf_counter() - started:.0f} s")
-    graph, decoder = DecodeGraph.load(path), loaded.model.model
-    rows = []
-    for context in args.contexts:
-        step = OursDecode(loaded, 1, context, loaded.dtype)
+    graphs = []
+    for rows in BATCHES:
+        path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, BLOCK_SIZE, rows))
+        if not path.exists():
+            started = time.perf_counter()
+            compile_graph(loaded.model, BLOCK_SIZE, rows, path)
+            print(f"compiled {path} in {time.perf_counter() - started:.0f} s")
+        graphs.append(DecodeGraph.load(path, rows))
+    decoder, results = loaded.model.model, []
+    for batch in args.batches:
+        for context in args.contexts:
+            step = OursDecode(loaded, batch, context, loaded.dtype)
 
-        def run(with_graph: bool, step: OursDecode = step) -> torch.Tensor:
-            decoder.decode_graph = graph if with_graph else None
-            return step()
+            def run(with_graphs: bool, step: OursDecode = step) -> torch.Tensor:
+                decoder.decode_graphs = graphs if with_graphs else []
+                return step()
 
-        eager, compiled = run(False), run(True)
-        times = interleaved_ms([lambda: run(False), lambda: run(True)], args.repeats)
-        rows.append({"context": context, "eager_ms": times[0], "compiled_ms": times[1],
-                     "max_logit_diff": float((eager - compiled).abs().max()),
-                     "bit_equal": bool(torch.equal(eager, compiled))})
-    return rows
+            eager, compiled = run(False), run(True)
+            times = interleaved_ms([lambda: run(False), lambda: run(True)], args.repeats)
+            results.append({"batch": batch, "context": context, "eager_ms": times[0], "compiled_ms": times[1],
+                            "max_logit_diff": float((eager - compiled).abs().max()),
+                            "bit_equal": bool(torch.equal(eager, compiled))})
+    return results
 
 
 def format_decode_graph_table(rows: list[dict]) -> str:
-    lines = [f"{'context':>8}{'eager ms':>10}{'compiled ms':>13}{'compiled/eager':>16}{'max |dlogit|':>14}"
-             f"{'bit-equal':>11}"]
-    lines += [f"{r['context']:>8}{r['eager_ms']:>10.2f}{r['compiled_ms']:>13.2f}"
+    lines = [f"{'batch':>6}{'context':>8}{'eager ms':>10}{'compiled ms':>13}{'compiled/eager':>16}"
+             f"{'max |dlogit|':>14}{'bit-equal':>11}"]
+    lines += [f"{r['batch']:>6}{r['context']:>8}{r['eager_ms']:>10.2f}{r['compiled_ms']:>13.2f}"
               f"{r['compiled_ms'] / r['eager_ms']:>16.2f}{r['max_logit_diff']:>14.4f}"
               f"{str(r['bit_equal']):>11}" for r in rows]
     return "\n".join(lines)
@@ -495,7 +499,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:
         p.error(f"unknown dtype {', '.join(unknown)}; choose among {', '.join(DTYPES)}")
-    args.batches = int_list(args.batches or ("1,2,4,8,16,32" if args.int4 else "1,16,64"))
+    default_batches = "1,2,4,8,16,32" if args.int4 else "1,4,8" if args.decode_graph else "1,16,64"
+    args.batches = int_list(args.batches or default_batches)
     args.contexts = int_list(args.contexts)
     if args.llama_bench is not None and (args.prefill < 1 or args.llama_rounds < 1):
         p.error("--llama-bench needs --prefill and --llama-rounds of at least 1")

@@ -17,7 +17,7 @@ import torch
 from openai import OpenAI
 
 from gracelm.model.attention import allocate_kv_cache
-from gracelm.model.decode_graph import MAX_CONTEXT, DecodeGraph, compile_graph
+from gracelm.model.decode_graph import BATCHES, MAX_CONTEXT, DecodeGraph, compile_graph
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import load_model
 from tests.server_process import ServerProcess
@@ -38,67 +38,80 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def compiled(gguf: Path, tmp_path_factory: pytest.TempPathFactory):
     loaded = load_model(gguf, dtype="bfloat16")
     loaded.freeze()
-    path = tmp_path_factory.mktemp("graph") / "graph.pt2"
-    compile_graph(loaded.model, BLOCK, path)
-    return loaded.model, DecodeGraph.load(path)
+    folder = tmp_path_factory.mktemp("graph")
+    graphs = []
+    for rows in BATCHES:
+        compile_graph(loaded.model, BLOCK, rows, folder / f"{rows.start}.pt2")
+        graphs.append(DecodeGraph.load(folder / f"{rows.start}.pt2", rows))
+    return loaded.model, graphs
 
 
-def decode_batch(context: int, table: torch.Tensor, token: int = 7) -> ForwardBatch:
-    """One sequence's decode token at position `context` (after `context` cached tokens)."""
-    slot = int(table[context // BLOCK]) * BLOCK + context % BLOCK
-    return ForwardBatch(input_ids=torch.tensor([token]), positions=torch.tensor([context]),
-                        slot_mapping=torch.tensor([slot]), query_lens=[1], seq_lens=[context + 1],
-                        block_tables=table[None, : context // BLOCK + 1].contiguous(),
-                        logits_indices=torch.tensor([0]))
+def decode_batch(contexts: list[int], tables: torch.Tensor) -> ForwardBatch:
+    """Each sequence's decode token at position `contexts[i]` (after that many cached tokens)."""
+    width = max(contexts) // BLOCK + 1
+    slots = [int(tables[i, c // BLOCK]) * BLOCK + c % BLOCK for i, c in enumerate(contexts)]
+    return ForwardBatch(input_ids=torch.arange(7, 7 + len(contexts)), positions=torch.tensor(contexts),
+                        slot_mapping=torch.tensor(slots), query_lens=[1] * len(contexts),
+                        seq_lens=[c + 1 for c in contexts], block_tables=tables[:, :width].contiguous(),
+                        logits_indices=torch.arange(len(contexts)))
 
 
-@pytest.mark.parametrize("context", [0, 1, 15, 16, 17, 100, MAX_CONTEXT - 1])
-def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, context: int) -> None:
-    model, graph = compiled
-    blocks = MAX_CONTEXT // BLOCK + 8
-    generator = torch.Generator().manual_seed(context)
-    table = torch.randperm(blocks, generator=generator)  # paged: blocks in no order, none contiguous
-    before = allocate_kv_cache(model.config, blocks, BLOCK, torch.bfloat16)
+@pytest.mark.parametrize(("contexts"), [[0], [1], [15], [16], [17], [100], [MAX_CONTEXT - 1], [3, 40],
+                                        [16, 0, 200, 33, 31], [MAX_CONTEXT - 1, 5, 17, 64, 1, 0, 300, 48]],
+                         ids=str)
+def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, contexts: list[int]) -> None:
+    """Mixed lengths, blocks in no order and none contiguous, of one sequence and of several."""
+    model, graphs = compiled
+    per_seq = MAX_CONTEXT // BLOCK + 1
+    generator = torch.Generator().manual_seed(len(contexts) * 1000 + contexts[0])
+    tables = torch.randperm(len(contexts) * per_seq + 4, generator=generator)[:len(contexts) * per_seq]
+    tables = tables.view(len(contexts), per_seq)
+    before = allocate_kv_cache(model.config, len(contexts) * per_seq + 4, BLOCK, torch.bfloat16)
     for cache in before:
         cache.normal_(generator=generator)
     eager_caches, graph_caches = [c.clone() for c in before], [c.clone() for c in before]
-    batch = decode_batch(context, table)
-    assert graph.serves(batch)
+    batch = decode_batch(contexts, tables)
+    [graph] = [g for g in graphs if g.serves(batch)]
     with torch.inference_mode():
-        model.model.decode_graph = None
+        model.model.decode_graphs = []
         eager = model(batch, eager_caches)
-        model.model.decode_graph = graph
+        model.model.decode_graphs = [graph]
         ours = model(batch, graph_caches)
-    model.model.decode_graph = None
+    model.model.decode_graphs = []
     # Inductor rounds where eager rounds (emulate_precision_casts); a fused reduction may still sum in
     # another order, so the bound is bfloat16's rounding of the logits, not bit equality.
     torch.testing.assert_close(ours, eager, rtol=1.6e-2, atol=1e-2)
     assert ours.abs().max() > 1.0  # far from zero, so a wrong path would show
-    slot = batch.slot_mapping.item()
     for old, eager_cache, graph_cache in zip(before, eager_caches, graph_caches, strict=True):
         torch.testing.assert_close(graph_cache, eager_cache, rtol=1.6e-2, atol=1e-2)
         written = (graph_cache != old).any(-1).view(2, graph_cache.shape[1], -1)  # by slot
-        assert written[..., slot].all() and written.sum() == written[..., slot].sum()  # that slot only
+        slots = batch.slot_mapping
+        assert written[..., slots].all() and written.sum() == written[..., slots].sum()  # those slots only
 
 
-def test_the_graph_serves_one_sequence_of_a_bounded_context_only() -> None:
-    table = torch.arange(MAX_CONTEXT // BLOCK + 2)
-    assert DecodeGraph.serves(decode_batch(MAX_CONTEXT - 1, table))
-    assert not DecodeGraph.serves(decode_batch(MAX_CONTEXT, table))  # longer: eager is faster there
-    two = ForwardBatch(input_ids=torch.tensor([1, 2]), positions=torch.tensor([3, 3]),
-                       slot_mapping=torch.tensor([3, 19]), query_lens=[1, 1], seq_lens=[4, 4],
-                       block_tables=torch.tensor([[0], [1]]), logits_indices=torch.tensor([0, 1]))
+def test_each_graph_serves_its_sequences_of_a_bounded_context_only(compiled) -> None:
+    _, (one, few) = compiled
+    tables = torch.arange(9 * (MAX_CONTEXT // BLOCK + 2)).view(9, -1)
+    alone = decode_batch([MAX_CONTEXT - 1], tables[:1])
+    assert one.serves(alone) and not few.serves(alone)
+    assert few.serves(decode_batch([3] * 8, tables[:8])) and not one.serves(decode_batch([3, 4], tables[:2]))
+    assert not few.serves(decode_batch([3] * 9, tables))  # above the int4 kernel's rows
+    assert not one.serves(decode_batch([MAX_CONTEXT], tables[:1]))  # longer: eager is faster there
     prompt = ForwardBatch(input_ids=torch.tensor([1, 2]), positions=torch.tensor([0, 1]),
                           slot_mapping=torch.tensor([0, 1]), query_lens=[2], seq_lens=[2],
                           block_tables=torch.tensor([[0]]), logits_indices=torch.tensor([1]))
-    assert not DecodeGraph.serves(two) and not DecodeGraph.serves(prompt)
+    mixed = ForwardBatch(input_ids=torch.tensor([1, 2, 3]), positions=torch.tensor([0, 1, 9]),
+                         slot_mapping=torch.tensor([0, 1, 25]), query_lens=[2, 1], seq_lens=[2, 10],
+                         block_tables=torch.tensor([[0], [1]]), logits_indices=torch.tensor([1, 2]))
+    assert not any(g.serves(b) for g in (one, few) for b in (prompt, mixed))
 
 
-def wait_for_log(server: ServerProcess, pattern: str, timeout: float) -> None:
+def wait_for_log(server: ServerProcess, text: str, count: int, timeout: float) -> None:
+    """Until `text` is in the server's log `count` times."""
     deadline = time.monotonic() + timeout
-    while not re.search(pattern, server.log()):
+    while server.log().count(text) < count:
         assert server.process.poll() is None, server.log()[-5000:]
-        assert time.monotonic() < deadline, f"{pattern!r} not logged in {timeout} s:\n{server.log()[-5000:]}"
+        assert time.monotonic() < deadline, f"{text!r} not logged in {timeout} s:\n{server.log()[-5000:]}"
         time.sleep(0.2)
 
 
@@ -122,7 +135,7 @@ def test_a_server_compiles_in_the_background_then_serves_compiled_and_the_next_s
     with ServerProcess(gguf, *args, env=env) as server:
         assert compiler_pids(server), server.log()  # started at once, the server already ready
         before = [greedy(server, p) for p in ("the cat", "a river of light")]  # eager meanwhile
-        wait_for_log(server, r"decode graph written to", COMPILE_TIMEOUT_S)
+        wait_for_log(server, "decode graph written to", len(BATCHES), COMPILE_TIMEOUT_S)
         psutil.wait_procs([psutil.Process(pid) for pid in compiler_pids(server)], timeout=30)
         after = [greedy(server, p) for p in ("the cat", "a river of light")]  # the first step loads it
         assert "decode graph loaded" in server.log()
@@ -130,7 +143,7 @@ def test_a_server_compiles_in_the_background_then_serves_compiled_and_the_next_s
         server.stop()
         assert re.search(r"decode graph compiler \(pid \d+\).*released", server.log()), server.log()[-3000:]
     packages = list((tmp_path / "cache" / "graphs").glob("*.pt2"))
-    assert len(packages) == 1 and not packages[0].name.startswith(".")
+    assert len(packages) == len(BATCHES) and not any(p.name.startswith(".") for p in packages)
     with ServerProcess(gguf, *args, env=env) as again:
         assert re.search(r"decode graph loaded.*\n(.*\n)*.*engine core ready", again.log()), again.log()
         assert "compiling in the background" not in again.log() and not compiler_pids(again)

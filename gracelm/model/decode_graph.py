@@ -1,34 +1,37 @@
-"""The decode step of one sequence, compiled ahead of time by AOTInductor: for a bfloat16 model on the CPU
+"""Decode steps of up to 8 sequences, compiled ahead of time by AOTInductor: for a bfloat16 model on the CPU
 whose linears have 4-bit forms (a GGUF file's Q4 blocks, `model/quantized_linear.py`).
 
-Why. With one sequence per step the matmuls are a third of the step: the int4 kernel reads the 30 layers'
+Why. At few sequences per step the matmuls are a third of the step: the int4 kernel reads the 30 layers'
 weights in about 2.5 ms and the logits head takes 1.1 ms, while the ~1,700 small eager ops around them
 (norms, rope, residuals, the attention's glue; a few microseconds each of dispatch) take most of the rest
-of a ~10.9 ms step (default model, context 256, 2 threads). Compiled, those ops become a few fused C++
-loops called from C++ (no Python, no dispatcher, no guards): 7.3 ms for the same step. `bench/forward.py
---decode-graph` measures it.
+of a ~10.9 ms step (default model, one sequence, context 256, 2 threads). Compiled, those ops become a few
+fused C++ loops called from C++ (no Python, no dispatcher, no guards): 7.3 ms for the same step.
+`bench/forward.py --decode-graph` measures it.
 
 What is compiled (`_DecoderStack`): the decoder layers and the final norm, the very modules and code the
 eager forward runs (`LlamaDecoderLayer.forward`, `paged_attention`), traced by `torch.export` with the
-context length dynamic (1 to `MAX_CONTEXT` tokens, whole blocks) and the KV cache written in place. Left
-eager: the embedding lookup, the rotary cos/sin and the attention metadata (once per step, as the eager
-forward builds them) and the logits head (one oneDNN call). Inductor's `emulate_precision_casts` rounds to
-bfloat16 where eager rounds, so the compiled step gives eager's logits bit for bit as measured on this
-project's machine (default model, contexts 40 to 2,000); tests/test_decode_graph.py holds the graph to
-eager within bfloat16 rounding, since a fused reduction may sum in another order.
+context length dynamic (1 to `MAX_CONTEXT` tokens, whole blocks) and the KV cache written in place. Two
+graphs (`BATCHES`): one sequence, with static shapes otherwise, and 2 to 8 sequences (the int4 kernel's
+rows), the count dynamic. Left eager: the embedding lookup, the rotary cos/sin and the attention metadata
+(once per step, as the eager forward builds them) and the logits head (one oneDNN call). Inductor's
+`emulate_precision_casts` rounds to bfloat16 where eager rounds, so the one-sequence graph gave eager's
+logits bit for bit on the default model at contexts of 40 to 600 tokens on this project's machine;
+tests/test_decode_graph.py holds both graphs to eager within bfloat16 rounding, since a fused reduction
+may sum in another order. The compiler runs one thread: the generated loops of a step of few rows are
+too small to share out.
 
-Which steps (`DecodeGraph.serves`): decode steps of exactly one sequence (the exported batch is static:
-with the batch dynamic the compiled step was no faster than eager from 4 sequences on, and slower at 8),
-of at most `MAX_CONTEXT` tokens of context: inductor's fused softmax and casts over the context cost
-more than eager's kernels as the context grows (measured: compiled/eager 0.61 at 40 tokens, 0.68 at 256,
-0.79 at 600, 0.94 at 1,000, 1.10-1.19 at 2,000), so longer contexts stay eager.
+Which steps (`DecodeGraph.serves`): decode steps only, of a graph's count of sequences, each of at most
+`MAX_CONTEXT` tokens of context: inductor's fused softmax and casts over the context cost more than
+eager's kernels as the context grows (compiled/eager at one sequence, measured: 0.6 at 40 tokens, 0.7 at
+256, 0.8 at 600, 0.8-0.95 at 1,000, above 1 at 2,000), so longer contexts stay eager.
 
-Kept on disk (`graph_path`): `<cache>/graphs/<key>.pt2`, the package with its constants (the layers' int4
+Kept on disk (`graph_path`): `<cache>/graphs/<key>.pt2`, each package with its constants (the layers' int4
 weights and norms: 70 MB for the default model, and as much memory once loaded), keyed by everything the
 compiled code depends on (`graph_key`): the model file's content hash, dtype, block size, the int4 kernel's
-packed layout, torch's version, the CPU's vector capability and `FORMAT_VERSION`. Building it takes about
-a minute of one core for the default model; `parallel/decode_graph_build.py` does it in a child process
-after the first start while the engine serves eagerly, and every later start loads it in 0.1 s.
+packed layout, torch's version, the CPU's vector capability, the graph's sequences and `FORMAT_VERSION`.
+Building them takes a minute or two of one core for the default model; `parallel/decode_graph_build.py`
+does it in a child process after the first start while the engine serves eagerly, and every later start
+loads them in 0.1 s each.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from gracelm.arith import cdiv
 from gracelm.cache_dir import cache_dir
 from gracelm.model.attention import AttentionMetadata, QueryGroup, allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.quantized_linear import layout_id
+from gracelm.model.quantized_linear import INT4_MAX_ROWS, layout_id
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +57,11 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 # Contexts up to this many tokens run compiled (see above).
 MAX_CONTEXT = 1024
-# Packages kept in the cache folder, most recently used first.
-MAX_ENTRIES = 2
+# The graphs built, by the sequences of their steps: one (static shapes), and 2 to 8 (the int4 kernel's
+# range, `quantized_linear.INT4_MAX_ROWS`).
+BATCHES = (range(1, 2), range(2, INT4_MAX_ROWS + 1))
+# Packages kept in the cache folder, most recently used first: the graphs of two models.
+MAX_ENTRIES = 2 * len(BATCHES)
 _FOLDER = "graphs"
 
 
@@ -70,46 +76,48 @@ class _DecoderStack(nn.Module):
         self.norm = decoder.norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                block_ids: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+                block_tables: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         _, kv_heads, _, block_size, head_dim = kv_caches[0].shape
+        block_ids = block_tables.reshape(-1)
         keys = kv_caches[0].new_empty((kv_heads, block_ids.shape[0], block_size, head_dim))
-        group = QueryGroup(None, 1, False, block_ids, block_ids.shape[0], mask, keys, slots)
-        meta = AttentionMetadata(slot_mapping, 1, [group], [])
+        group = QueryGroup(None, 1, False, block_ids, block_tables.shape[1], mask, keys, slots)
+        meta = AttentionMetadata(slot_mapping, x.shape[0], [group], [])
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 
 
 class DecodeGraph:
-    """A loaded package: the decoder stack of one decode token, compiled."""
+    """A loaded package: the decoder stack of the decode tokens of `rows` sequences, compiled."""
 
-    def __init__(self, runner: object, path: Path) -> None:
+    def __init__(self, runner: object, rows: range) -> None:
         self.runner = runner
-        self.path = path
+        self.rows = rows
 
     @classmethod
-    def load(cls, path: Path) -> DecodeGraph:
+    def load(cls, path: Path, rows: range) -> DecodeGraph:
         runner = torch._inductor.aoti_load_package(str(path))
         with contextlib.suppress(OSError):
             os.utime(path)  # most recently used
-        return cls(runner, path)
+        return cls(runner, rows)
 
-    @staticmethod
-    def serves(batch: ForwardBatch) -> bool:
-        return batch.query_lens == [1] and batch.seq_lens[0] <= MAX_CONTEXT
+    def serves(self, batch: ForwardBatch) -> bool:
+        return (len(batch.query_lens) in self.rows and all(q == 1 for q in batch.query_lens)
+                and max(batch.seq_lens) <= MAX_CONTEXT)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The final norm's output [1, hidden] for the step of `meta` (its one decode group)."""
+        """The final norm's output [B, hidden] for the step of `meta` (its one decode group)."""
         group = meta.groups[0]
-        return self.runner(x, cos, sin, meta.slot_mapping, group.block_ids, group.mask, group.slots,
-                           kv_caches)
+        return self.runner(x, cos, sin, meta.slot_mapping, group.block_ids.view(x.shape[0], -1), group.mask,
+                           group.slots, kv_caches)
 
 
-def graph_key(model_hash: str, dtype: torch.dtype, block_size: int) -> str:
+def graph_key(model_hash: str, dtype: torch.dtype, block_size: int, rows: range) -> str:
     parts = [model_hash, str(dtype), f"block {block_size}", f"int4 layout {layout_id()}", torch.__version__,
-             torch.backends.cpu.get_cpu_capability(), f"max context {MAX_CONTEXT}", f"v{FORMAT_VERSION}"]
+             torch.backends.cpu.get_cpu_capability(), f"max context {MAX_CONTEXT}", f"rows {rows}",
+             f"v{FORMAT_VERSION}"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
@@ -117,20 +125,26 @@ def graph_path(key: str) -> Path:
     return cache_dir(_FOLDER) / f"{key}.pt2"
 
 
-def compile_graph(model: nn.Module, block_size: int, path: Path) -> None:
-    """Exports and compiles the decode step of `model` (a frozen `LlamaForCausalLM` with int4 forms) into
-    the package `path`, written whole or not at all (a temporary file renamed)."""
+def compile_graph(model: nn.Module, block_size: int, rows: range, path: Path) -> None:
+    """Exports and compiles the decode step of `rows` sequences (one of `BATCHES`) of `model` (a frozen
+    `LlamaForCausalLM` with int4 forms) into the package `path`, written whole or not at all (a temporary
+    file renamed)."""
     decoder = model.model
-    stack = _DecoderStack(decoder)
-    args = _example_inputs(decoder, model.config, block_size)
+    example = 1 if len(rows) == 1 else 3
+    args = _example_inputs(decoder, model.config, block_size, example)
     blocks = torch.export.Dim("blocks", min=1, max=cdiv(MAX_CONTEXT, block_size))
-    cache_blocks = torch.export.Dim("cache_blocks", min=2)
     context = block_size * blocks
-    dynamic = (None, None, None, None, {0: blocks}, {4: context}, {1: context},
-               [{2: cache_blocks}] * len(args[-1]))
+    cache_blocks = torch.export.Dim("cache_blocks", min=2)
+    if len(rows) == 1:  # static: one sequence
+        dynamic = (None, None, None, None, {1: blocks}, {4: context}, {1: context},
+                   [{2: cache_blocks}] * len(args[-1]))
+    else:
+        seqs = torch.export.Dim("seqs", min=rows.start, max=rows.stop - 1)
+        dynamic = ({0: seqs}, {0: seqs}, {0: seqs}, {0: seqs}, {0: seqs, 1: blocks}, {1: seqs, 4: context},
+                   {0: seqs, 1: context}, [{2: cache_blocks}] * len(args[-1]))
     decoder.int4_gate.prompt_step = False
     with torch.inference_mode():
-        exported = torch.export.export(stack, args, dynamic_shapes=dynamic, strict=False)
+        exported = torch.export.export(_DecoderStack(decoder), args, dynamic_shapes=dynamic, strict=False)
     temporary = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
     try:
         torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary),
@@ -142,19 +156,21 @@ def compile_graph(model: nn.Module, block_size: int, path: Path) -> None:
     _prune(path.parent)
 
 
-def _example_inputs(decoder: nn.Module, config: object, block_size: int) -> tuple:
-    """A decode token at position 2 * block_size + 1 of a sequence over three blocks of a small cache:
-    every size that is dynamic differs from the others and from 1."""
-    caches = allocate_kv_cache(config, 5, block_size, torch.bfloat16)
+def _example_inputs(decoder: nn.Module, config: object, block_size: int, seqs: int) -> tuple:
+    """Decode tokens of `seqs` sequences at position 2 * block_size + 1, over three blocks each of a small
+    cache: every size that is dynamic differs from the others and from 1."""
+    caches = allocate_kv_cache(config, 3 * seqs + 2, block_size, torch.bfloat16)
     position = 2 * block_size + 1
-    batch = ForwardBatch(input_ids=torch.tensor([1]), positions=torch.tensor([position]),
-                         slot_mapping=torch.tensor([3 * block_size + 1]), query_lens=[1],
-                         seq_lens=[position + 1], block_tables=torch.tensor([[1, 2, 3, 4]]),
-                         logits_indices=torch.tensor([0]))
+    tables = torch.arange(1, 3 * seqs + 1).view(seqs, 3)
+    batch = ForwardBatch(input_ids=torch.ones(seqs, dtype=torch.long),
+                         positions=torch.full((seqs,), position),
+                         slot_mapping=tables[:, 2] * block_size + 1, query_lens=[1] * seqs,
+                         seq_lens=[position + 1] * seqs, block_tables=tables,
+                         logits_indices=torch.arange(seqs))
     with torch.inference_mode():
         x, cos, sin, meta = decoder.step_inputs(batch, caches)
     group = meta.groups[0]
-    return x, cos, sin, meta.slot_mapping, group.block_ids, group.mask, group.slots, caches
+    return x, cos, sin, meta.slot_mapping, group.block_ids.view(seqs, -1), group.mask, group.slots, caches
 
 
 def _prune(folder: Path) -> None:

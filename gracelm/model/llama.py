@@ -261,7 +261,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         self.int4_gate: Int4Gate | None = None  # shared by the linears that have 4-bit forms, once frozen
         self.batch_invariant = False  # attend every row alike (`batch_invariant.py`)
-        self.decode_graph: DecodeGraph | None = None  # the compiled decode step, once loaded
+        self.decode_graphs: list[DecodeGraph] = []  # compiled decode steps, once loaded (`decode_graph.py`)
 
     def freeze(self, int4: Int4Choice | None = None) -> None:
         """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`), with the 4-bit forms `int4`
@@ -276,8 +276,9 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states after the final norm of the rows `batch.logits_indices`."""
         x, cos, sin, meta = self.step_inputs(batch, kv_caches)
-        if self._graph_serves(batch):
-            return self.decode_graph(x, cos, sin, meta, kv_caches).index_select(0, batch.logits_indices)
+        graph = self._graph_for(batch)
+        if graph is not None:
+            return graph(x, cos, sin, meta, kv_caches).index_select(0, batch.logits_indices)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x.index_select(0, batch.logits_indices))
@@ -293,10 +294,12 @@ class LlamaModel(nn.Module):
             self.int4_gate.prompt_step = bool(meta.prefills)
         return x, cos, sin, meta
 
-    def _graph_serves(self, batch: ForwardBatch) -> bool:
-        """Whether the compiled decode step serves this step: it was traced through the int4 kernels."""
-        return (self.decode_graph is not None and self.decode_graph.serves(batch) and not self.batch_invariant
-                and self.int4_gate is not None and self.int4_gate.admits(1))
+    def _graph_for(self, batch: ForwardBatch) -> DecodeGraph | None:
+        """The compiled decode step that serves this step, if any: they were traced through the int4
+        kernels."""
+        if not self.decode_graphs or self.batch_invariant or not self.int4_gate.admits(len(batch.query_lens)):
+            return None
+        return next((graph for graph in self.decode_graphs if graph.serves(batch)), None)
 
 
 class LlamaForCausalLM(nn.Module):

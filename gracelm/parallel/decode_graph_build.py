@@ -1,15 +1,15 @@
-"""Gets rank 0's model its compiled decode step (`model/decode_graph.py`) without delaying the start: loaded
-from the cache when it is there (0.1 s, before the core says Ready), else compiled in a child process
-(`gracelm::compile`, niced, one thread) while the engine serves eagerly, and loaded between two steps once
-the child has written it. A start that finds no package therefore serves at eager speed for about a minute
-(the default model on this project's machine); every later start of the same model, torch and CPU is fast
-from its first step.
+"""Gets rank 0's model its compiled decode steps (`model/decode_graph.py`: one for one sequence, one for 2
+to 8) without delaying the start: loaded from the cache when they are there (0.1 s each, before the core
+says Ready), else compiled in a child process (`gracelm::compile`, niced, one thread) while the engine
+serves eagerly, and each loaded between two steps once the child has written it (one sequence's first).
+A start that finds no package therefore serves at eager speed for a minute or two (the default model on
+this project's machine: about 60 s, then 85 s more); every later start of the same model, torch and CPU is
+fast from its first step.
 
 The child is a resource of the executor's ledger: a stop kills it (a compile is worth nothing half done;
 its temporary file is removed by the next compile) and any compiler process it left. Its failure costs only
-speed: it is logged, and the engine goes on eagerly. Where the graph does not apply (`applies`), nothing
-is started.
-"""
+speed: it is logged, and the engine goes on eagerly. Where the graphs do not apply (`applies`), nothing
+is started."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tqdm import tqdm
 from gracelm.config import EngineConfig
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import ChildProcess, exit_process, start_process
-from gracelm.model.decode_graph import DecodeGraph, compile_graph, graph_key, graph_path
+from gracelm.model.decode_graph import BATCHES, DecodeGraph, compile_graph, graph_key, graph_path
 from gracelm.model.file_hash import content_hash
 from gracelm.model.loader import LoadedModel, load_model
 
@@ -43,19 +43,22 @@ def applies(config: EngineConfig, loaded: LoadedModel, world_size: int) -> bool:
 
 
 class DecodeGraphBuild:
-    """The compiled decode step of the driver's model: `state` is "loaded", "compiling", "failed" or "off"."""
+    """The compiled decode steps of the driver's model (one per `BATCHES` entry): `state` is "loaded",
+    "compiling" or "failed"."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, ledger: Ledger) -> None:
-        self.config = config
         self.loaded = loaded
-        self.state = "off"
+        model_hash = content_hash(loaded.path)
+        self._pending = {rows: graph_path(graph_key(model_hash, loaded.dtype, config.block_size, rows))
+                         for rows in BATCHES}
         self._child: ChildProcess | None = None
-        self.path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, config.block_size))
-        if self.path.exists():
-            self._load()
+        self.state = "loaded"
+        self._load_written()
+        if not self._pending:
             return
+        missing = [(rows.start, rows.stop, str(path)) for rows, path in self._pending.items()]
         self._child = start_process("decode graph compiler", "gracelm::compile", COMPILER_ENTRY,
-                                    (config, str(self.path)))
+                                    (config, missing))
         self.state = "compiling"
         logger.info("decode graph: compiling in the background (pid %d); eager until it is ready",
                     self._child.pid)
@@ -63,31 +66,35 @@ class DecodeGraphBuild:
                        timeout=_STOP_TIMEOUT_S + 1)
 
     def poll(self) -> None:
-        """Loads the graph once the child has written it (called between steps; a non-blocking wait)."""
+        """Loads each graph once the child has written it (called between steps: a stat per missing graph,
+        a non-blocking wait)."""
         if self.state != "compiling":
             return
         assert self._child is not None
         code = self._child.exitcode
-        if code is None:
-            return
-        if code == 0 and self.path.exists():
-            self._load()
-        else:
+        self._load_written()
+        if not self._pending:
+            self.state = "loaded"
+        elif code is not None:
             self.state = "failed"
-            logger.warning("decode graph: the compiler ended (%s); serving eagerly",
+            logger.warning("decode graph: the compiler ended (%s); serving eagerly where no graph is loaded",
                            self._child.describe_exit())
 
-    def _load(self) -> None:
-        try:
-            graph = DecodeGraph.load(self.path)
-        except Exception as e:  # a damaged package: rebuilt at the next start
-            logger.warning("decode graph: cannot load %s (%s); removed, serving eagerly", self.path, e)
-            self.path.unlink(missing_ok=True)
-            self.state = "failed"
-            return
-        self.loaded.model.model.decode_graph = graph
-        self.state = "loaded"
-        logger.info("decode graph loaded from %s: decode steps of one sequence run compiled", self.path)
+    def _load_written(self) -> None:
+        for rows, path in list(self._pending.items()):
+            if not path.exists():
+                continue
+            del self._pending[rows]
+            try:
+                graph = DecodeGraph.load(path, rows)
+            except Exception as e:  # a damaged package: rebuilt at the next start
+                logger.warning("decode graph: cannot load %s (%s); removed", path, e)
+                path.unlink(missing_ok=True)
+                self.state = "failed"
+                continue
+            self.loaded.model.model.decode_graphs.append(graph)
+            logger.info("decode graph loaded from %s: decode steps of %d to %d sequences run compiled", path,
+                        rows.start, rows.stop - 1)
 
     def _stop(self) -> str:
         assert self._child is not None
@@ -96,9 +103,10 @@ class DecodeGraphBuild:
         return self._child.stop(_STOP_TIMEOUT_S)
 
 
-def compile_in_child(config: EngineConfig, path: str) -> None:
+def compile_in_child(config: EngineConfig, missing: list[tuple[int, int, str]]) -> None:
     """The compiler process: loads the model as the engine core did (its conversions are cached by now) and
-    writes the package."""
+    writes each missing package (`(first, stop, path)`: the graph of `range(first, stop)` sequences), one
+    sequence's first."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s")
     os.nice(10)  # the serving core comes first
@@ -108,11 +116,11 @@ def compile_in_child(config: EngineConfig, path: str) -> None:
     torch.set_num_threads(1)
     # Before inductor reads its configuration: no pool of compile workers, and its own cache in gracelm's.
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(path).parent / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(missing[0][2]).parent / "inductor"))
     loaded = load_model(config.model, config.dtype, config.quantization)
     loaded.freeze()
-    compile_graph(loaded.model, config.block_size, Path(path))
-    logger.info("decode graph written to %s", path)
-    # At once: the interpreter's teardown of torch and inductor took 26 s at nice 10 beside a busy core, and
-    # the core loads the package only once this process has exited.
+    for first, stop, path in missing:
+        compile_graph(loaded.model, config.block_size, range(first, stop), Path(path))
+        logger.info("decode graph written to %s", path)
+    # At once: the interpreter's teardown of torch and inductor took 26 s at nice 10 beside a busy core.
     exit_process(0)
