@@ -345,7 +345,7 @@ def bench_decode_graph(args: argparse.Namespace) -> list[dict]:
             started = time.perf_counter()
             compile_graph(loaded.model, BLOCK_SIZE, rows, path)
             print(f"compiled {path} in {time.perf_counter() - started:.0f} s")
-        graphs.append(DecodeGraph.load(path, rows))
+        graphs.append(DecodeGraph.load(path, rows, BLOCK_SIZE))
     decoder, results = loaded.model.model, []
     for batch in args.batches:
         for context in args.contexts:

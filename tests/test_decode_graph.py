@@ -42,7 +42,7 @@ def compiled(gguf: Path, tmp_path_factory: pytest.TempPathFactory):
     graphs = []
     for rows in BATCHES:
         compile_graph(loaded.model, BLOCK, rows, folder / f"{rows.start}.pt2")
-        graphs.append(DecodeGraph.load(folder / f"{rows.start}.pt2", rows))
+        graphs.append(DecodeGraph.load(folder / f"{rows.start}.pt2", rows, BLOCK))
     return loaded.model, graphs
 
 
@@ -57,8 +57,8 @@ def decode_batch(contexts: list[int], tables: torch.Tensor) -> ForwardBatch:
 
 
 @pytest.mark.parametrize(("contexts"), [[0], [1], [15], [16], [17], [100], [MAX_CONTEXT - 1], [3, 40],
-                                        [16, 0, 200, 33, 31], [MAX_CONTEXT - 1, 5, 17, 64, 1, 0, 300, 48]],
-                         ids=str)
+                                        [16, 0, 200, 33, 31], [MAX_CONTEXT - 1, 5, 17, 64, 1, 0, 300, 48],
+                                        [BLOCK, 3, 9]], ids=str)
 def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, contexts: list[int]) -> None:
     """Mixed lengths, blocks in no order and none contiguous, of one sequence and of several."""
     model, graphs = compiled
@@ -94,8 +94,12 @@ def test_each_graph_serves_its_sequences_of_a_bounded_context_only(compiled) -> 
     tables = torch.arange(9 * (MAX_CONTEXT // BLOCK + 2)).view(9, -1)
     alone = decode_batch([MAX_CONTEXT - 1], tables[:1])
     assert one.serves(alone) and not few.serves(alone)
-    assert few.serves(decode_batch([3] * 8, tables[:8])) and not one.serves(decode_batch([3, 4], tables[:2]))
-    assert not few.serves(decode_batch([3] * 9, tables))  # above the int4 kernel's rows
+    assert few.serves(decode_batch([BLOCK] * 8, tables[:8]))
+    assert not one.serves(decode_batch([BLOCK, 4], tables[:2]))
+    assert not few.serves(decode_batch([BLOCK] * 9, tables))  # above the int4 kernel's rows
+    # Several sequences all within one block: eager (the graph of several wants two blocks or more).
+    assert not few.serves(decode_batch([3, BLOCK - 1], tables[:2]))
+    assert few.serves(decode_batch([3, BLOCK], tables[:2]))
     assert not one.serves(decode_batch([MAX_CONTEXT], tables[:1]))  # longer: eager is faster there
     prompt = ForwardBatch(input_ids=torch.tensor([1, 2]), positions=torch.tensor([0, 1]),
                           slot_mapping=torch.tensor([0, 1]), query_lens=[2], seq_lens=[2],

@@ -48,6 +48,7 @@ class DecodeGraphBuild:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, ledger: Ledger) -> None:
         self.loaded = loaded
+        self.block_size = config.block_size
         model_hash = content_hash(loaded.path)
         self._pending = {rows: graph_path(graph_key(model_hash, loaded.dtype, config.block_size, rows))
                          for rows in BATCHES}
@@ -86,7 +87,7 @@ class DecodeGraphBuild:
                 continue
             del self._pending[rows]
             try:
-                graph = DecodeGraph.load(path, rows)
+                graph = DecodeGraph.load(path, rows, self.block_size)
             except Exception as e:  # a damaged package: rebuilt at the next start
                 logger.warning("decode graph: cannot load %s (%s); removed", path, e)
                 path.unlink(missing_ok=True)
