@@ -61,8 +61,8 @@ class DecodeGraphBuild:
         self._child = start_process("decode graph compiler", "gracelm::compile", COMPILER_ENTRY,
                                     (config, missing))
         self.state = "compiling"
-        logger.info("decode graph: compiling in the background (pid %d); eager until it is ready",
-                    self._child.pid)
+        logger.info("decode graph: compiling in the background (pid %d): %d graph(s); eager until each is "
+                    "ready", self._child.pid, len(missing))
         ledger.acquire(ResourceKind.PROCESS, f"decode graph compiler (pid {self._child.pid})", self._stop,
                        timeout=_STOP_TIMEOUT_S + 1)
 
