@@ -49,6 +49,7 @@ from gracelm.arith import cdiv
 from gracelm.cache_dir import cache_dir
 from gracelm.model.attention import AttentionMetadata, QueryGroup, allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.kv_snapshot import pid_alive
 from gracelm.model.quantized_linear import INT4_MAX_ROWS, layout_id
 
 logger = logging.getLogger(__name__)
@@ -193,15 +194,6 @@ def _prune(folder: Path) -> None:
         stale.unlink(missing_ok=True)
     for temporary in folder.glob(".*.pt2"):
         pid = temporary.stem.rsplit(".", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             temporary.unlink(missing_ok=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

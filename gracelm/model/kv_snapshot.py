@@ -237,13 +237,14 @@ def remove_dead_temporaries(directory: Path) -> None:
     for path in directory.glob(".kv-*" + _TEMP_SUFFIX):
         parts = path.name.split(".")
         pid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else None
-        if pid is None or not _alive(pid):
+        if pid is None or not pid_alive(pid):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 logger.info("kv snapshot: removed %s, left by a writer that died", path.name)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of that pid runs (ours counts; one of another user's too)."""
     if pid == os.getpid():
         return True
     try:
