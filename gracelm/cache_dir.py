@@ -46,3 +46,12 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def mtime(path: Path) -> float:
+    """`path`'s modification time, 0 once it is gone (pruned by another process meanwhile): for sorting a
+    folder's entries by use."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from gracelm.arith import cdiv
-from gracelm.cache_dir import cache_dir
+from gracelm.cache_dir import cache_dir, mtime
 from gracelm.model.attention import AttentionMetadata, QueryGroup, allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.kv_snapshot import pid_alive
@@ -189,7 +189,7 @@ def _example_inputs(decoder: nn.Module, config: object, block_size: int, seqs: i
 
 def _prune(folder: Path) -> None:
     """Keeps the `MAX_ENTRIES` most recently used packages, and no temporary file of a dead compiler."""
-    packages = sorted(folder.glob("*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
+    packages = sorted(folder.glob("*.pt2"), key=mtime, reverse=True)
     for stale in packages[MAX_ENTRIES:]:
         stale.unlink(missing_ok=True)
     for temporary in folder.glob(".*.pt2"):

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from gracelm.cache_dir import mtime
+
 logger = logging.getLogger(__name__)
 
 # Changes whenever the file format or the meaning of its bytes changes: an older file then never matches.
@@ -221,7 +223,7 @@ def snapshot_files(directory: Path) -> list[Path]:
 def enforce_bound(directory: Path, bound: int, keep: Path) -> None:
     """Removes snapshot files, oldest first, until those left (`keep` included) fit in `bound` bytes."""
     total = keep.stat().st_size
-    others = sorted((p for p in snapshot_files(directory) if p != keep), key=_mtime, reverse=True)
+    others = sorted((p for p in snapshot_files(directory) if p != keep), key=mtime, reverse=True)
     for path in others:  # newest first: each kept while it fits
         with contextlib.suppress(FileNotFoundError):
             size = path.stat().st_size
@@ -255,12 +257,6 @@ def pid_alive(pid: int) -> bool:
         return True
     return True
 
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except FileNotFoundError:
-        return 0.0
 
 
 def _fsync_directory(directory: Path) -> None:

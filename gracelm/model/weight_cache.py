@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from gracelm.cache_dir import cache_dir, write_atomic
+from gracelm.cache_dir import cache_dir, mtime, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -114,16 +114,10 @@ def _prune(folder: Path) -> None:
     current = f"-v{FORMAT_VERSION}{_SUFFIX}"
     entries = [p for p in folder.iterdir() if p.suffix == _SUFFIX and not p.name.startswith(".")]
     abandoned = [p for p in folder.iterdir()
-                 if p.name.startswith(".") and time.time() - _mtime(p) > _ABANDONED_AFTER_S]
+                 if p.name.startswith(".") and time.time() - mtime(p) > _ABANDONED_AFTER_S]
     stale = abandoned + [p for p in entries if not p.name.endswith(current)]
-    kept = sorted((p for p in entries if p.name.endswith(current)), key=_mtime, reverse=True)
+    kept = sorted((p for p in entries if p.name.endswith(current)), key=mtime, reverse=True)
     for path in stale + kept[MAX_ENTRIES:]:
         logger.info("weights cache: removing %s", path.name)
         path.unlink(missing_ok=True)
 
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except FileNotFoundError:  # pruned by another process meanwhile
-        return 0.0
