@@ -60,7 +60,7 @@ from gracelm.model.llama import FrozenLinear, set_int4_max_rows
 from gracelm.model.loader import DTYPES, LoadedModel, load_model
 from gracelm.model.model_files import default_model_path
 from gracelm.model.quantized_linear import INT4_MAX_ROWS
-from gracelm.parallel import decode_graph_build
+from gracelm.parallel.decode_graph_build import graph_applies
 
 BLOCK_SIZE = 16
 LLAMA_BENCH = Path.home() / ".cache/gracelm-bench/llama.cpp/build/bin/llama-bench"
@@ -336,7 +336,7 @@ def bench_decode_graph(args: argparse.Namespace) -> list[dict]:
     apart their logits are."""
     loaded = load_model(None, dtype="bfloat16")
     loaded.freeze()
-    if not decode_graph_build.applies(EngineConfig(), loaded, 1):
+    if not graph_applies(EngineConfig(), loaded, 1):
         sys.exit("--decode-graph: it does not apply here (it needs a CPU with native bfloat16)")
     graphs = []
     for rows in BATCHES:

@@ -8,7 +8,7 @@ fast from its first step.
 
 The child is a resource of the executor's ledger: a stop kills it (a compile is worth nothing half done;
 its temporary file is removed by the next compile) and any compiler process it left. Its failure costs only
-speed: it is logged, and the engine goes on eagerly. Where the graphs do not apply (`applies`), nothing
+speed: it is logged, and the engine goes on eagerly. Where the graphs do not apply (`graph_applies`), nothing
 is started."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ COMPILER_ENTRY = "gracelm.parallel.decode_graph_build:compile_in_child"
 _STOP_TIMEOUT_S = 5.0
 
 
-def applies(config: EngineConfig, loaded: LoadedModel, world_size: int) -> bool:
+def graph_applies(config: EngineConfig, loaded: LoadedModel, world_size: int) -> bool:
     """The graph is traced through the int4 kernels of one rank on the CPU, in the default computation."""
     gate = loaded.model.model.int4_gate
     return (not config.enforce_eager and not config.deterministic and world_size == 1
@@ -43,8 +43,8 @@ def applies(config: EngineConfig, loaded: LoadedModel, world_size: int) -> bool:
 
 
 class DecodeGraphBuild:
-    """The compiled decode steps of the driver's model (one per `BATCHES` entry): `state` is "loaded",
-    "compiling" or "failed"."""
+    """The compiled decode steps of the driver's model, one per `BATCHES` entry: those still to load are
+    pending until the child has written them, or until it has ended without."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, ledger: Ledger) -> None:
         self.loaded = loaded
@@ -52,15 +52,13 @@ class DecodeGraphBuild:
         model_hash = content_hash(loaded.path)
         self._pending = {rows: graph_path(graph_key(model_hash, loaded.dtype, config.block_size, rows))
                          for rows in BATCHES}
-        self._child: ChildProcess | None = None
-        self.state = "loaded"
         self._load_written()
+        self._child: ChildProcess | None = None
         if not self._pending:
             return
-        missing = [(rows.start, rows.stop, str(path)) for rows, path in self._pending.items()]
+        missing = [(rows, str(path)) for rows, path in self._pending.items()]
         self._child = start_process("decode graph compiler", "gracelm::compile", COMPILER_ENTRY,
                                     (config, missing))
-        self.state = "compiling"
         logger.info("decode graph: compiling in the background (pid %d): %d graph(s); eager until each is "
                     "ready", self._child.pid, len(missing))
         ledger.acquire(ResourceKind.PROCESS, f"decode graph compiler (pid {self._child.pid})", self._stop,
@@ -69,17 +67,15 @@ class DecodeGraphBuild:
     def poll(self) -> None:
         """Loads each graph once the child has written it (called between steps: a stat per missing graph,
         a non-blocking wait)."""
-        if self.state != "compiling":
+        if not self._pending:
             return
         assert self._child is not None
         code = self._child.exitcode
         self._load_written()
-        if not self._pending:
-            self.state = "loaded"
-        elif code is not None:
-            self.state = "failed"
+        if self._pending and code is not None:
             logger.warning("decode graph: the compiler ended (%s); serving eagerly where no graph is loaded",
                            self._child.describe_exit())
+            self._pending.clear()
 
     def _load_written(self) -> None:
         for rows, path in list(self._pending.items()):
@@ -91,7 +87,6 @@ class DecodeGraphBuild:
             except Exception as e:  # a damaged package: rebuilt at the next start
                 logger.warning("decode graph: cannot load %s (%s); removed", path, e)
                 path.unlink(missing_ok=True)
-                self.state = "failed"
                 continue
             self.loaded.model.model.decode_graphs.append(graph)
             logger.info("decode graph loaded from %s: decode steps of %d to %d sequences run compiled", path,
@@ -104,10 +99,9 @@ class DecodeGraphBuild:
         return self._child.stop(_STOP_TIMEOUT_S)
 
 
-def compile_in_child(config: EngineConfig, missing: list[tuple[int, int, str]]) -> None:
+def compile_in_child(config: EngineConfig, missing: list[tuple[range, str]]) -> None:
     """The compiler process: loads the model as the engine core did (its conversions are cached by now) and
-    writes each missing package (`(first, stop, path)`: the graph of `range(first, stop)` sequences), one
-    sequence's first."""
+    writes each missing package (the graph of `rows` sequences at `path`), one sequence's first."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s")
     os.nice(10)  # the serving core comes first
@@ -117,11 +111,11 @@ def compile_in_child(config: EngineConfig, missing: list[tuple[int, int, str]]) 
     torch.set_num_threads(1)
     # Before inductor reads its configuration: no pool of compile workers, and its own cache in gracelm's.
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(missing[0][2]).parent / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(missing[0][1]).parent / "inductor"))
     loaded = load_model(config.model, config.dtype, config.quantization)
     loaded.freeze()
-    for first, stop, path in missing:
-        compile_graph(loaded.model, config.block_size, range(first, stop), Path(path))
+    for rows, path in missing:
+        compile_graph(loaded.model, config.block_size, rows, Path(path))
         logger.info("decode graph written to %s", path)
     # At once: the interpreter's teardown of torch and inductor took 26 s at nice 10 beside a busy core.
     exit_process(0)

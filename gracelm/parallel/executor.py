@@ -27,9 +27,8 @@ from gracelm.config import EngineConfig, ModelConfig
 from gracelm.lifecycle.ledger import Ledger, Outcome, ResourceKind, ResourceReport, ShutdownReport
 from gracelm.model.loader import LoadedModel
 from gracelm.model_step import ModelStep, StepResult
-from gracelm.parallel import decode_graph_build
 from gracelm.parallel import messages as m
-from gracelm.parallel.decode_graph_build import DecodeGraphBuild
+from gracelm.parallel.decode_graph_build import DecodeGraphBuild, graph_applies
 from gracelm.parallel.distributed import (
     BACKEND,
     RENDEZVOUS_TIMEOUT_S,
@@ -107,7 +106,7 @@ class Executor:
         self.ledger.acquire(ResourceKind.KV_CACHE, f"{num_blocks} blocks, rank 0", self._driver.free_kv_cache)
         if self._group is not None:
             self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
-        elif decode_graph_build.applies(self.config, self._driver.loaded, self.layout.world_size):
+        elif graph_applies(self.config, self._driver.loaded, self.layout.world_size):
             self.graph_build = DecodeGraphBuild(self.config, self._driver.loaded, self.ledger)
 
     def execute(self, step: ModelStep) -> StepResult:
