@@ -3,7 +3,7 @@
     .venv/bin/python bench/forward.py                         # float32 and bfloat16, batches 1, 16, 64
     .venv/bin/python bench/forward.py --quick                 # fewer repetitions, bfloat16 only
     .venv/bin/python bench/forward.py --dtypes bfloat16 --batches 1,64 --json out.json
-    .venv/bin/python bench/forward.py --int4                  # decode: dense bf16 vs int4 vs the dispatch
+    .venv/bin/python bench/forward.py --int4                  # decode: dense vs int4 vs the dispatch
     .venv/bin/python bench/forward.py --decode-graph          # one sequence's decode: compiled vs eager
     .venv/bin/python bench/forward.py --llama-bench           # beside llama-bench -t 2 -p 512 -n 128
 
@@ -23,10 +23,10 @@ and ours and transformers' alternate within each repetition, so that a busy spel
 one (`gracelm/model/decode_graph.py`; its packages from gracelm's cache, compiled here and kept there when
 missing), alternating, at each of `--contexts`, and says how far apart their logits are.
 
-`--int4` compares the linear kernels instead, on the same frozen bfloat16 model: decode steps with dense
-bfloat16 weights at every batch size, with the int4 form at every batch size, and with the dispatch the
-engine uses (int4 up to `INT4_MAX_ROWS` rows), the three alternating within each repetition; read the
-ratios to dense, which is where the crossover is.
+`--int4` compares the linear kernels instead, on the same frozen model in the engine's dtype (bfloat16, or
+float32 on a CPU that emulates bfloat16): decode steps with dense weights at every batch size, with the
+int4 form at every batch size, and with the dispatch the engine uses (int4 up to `INT4_MAX_ROWS` rows), the
+three alternating within each repetition; read the ratios to dense, which is where the crossover is.
 
 `--llama-bench` is a mode of its own: gracelm's batch-1 decode and 512-token prefill per `--dtypes`, beside
 llama.cpp's `llama-bench -m GGUF -t T -p 512 -n 128` on the same file (built by `bench/serve.py
@@ -56,7 +56,7 @@ from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.decode_graph import BATCHES, DecodeGraph, compile_graph, graph_key, graph_path
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.llama import FrozenLinear, set_int4_max_rows
+from gracelm.model.llama import FrozenLinear, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import DTYPES, LoadedModel, load_model
 from gracelm.model.model_files import default_model_path
 from gracelm.model.quantized_linear import INT4_MAX_ROWS
@@ -90,7 +90,7 @@ class Row:
 
 
 # The linear kernels `--int4` compares: the `int4_max_rows` of each.
-KERNEL_CHOICES = {"dense bf16": 0, "int4": sys.maxsize, "dispatch": INT4_MAX_ROWS}
+KERNEL_CHOICES = {"dense": 0, "int4": sys.maxsize, "dispatch": INT4_MAX_ROWS}
 
 
 @dataclass
@@ -312,10 +312,11 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
 
 
 def bench_kernels(args: argparse.Namespace) -> list[KernelRow]:
-    loaded = load_model(None, dtype="bfloat16")
+    loaded = load_model(None)  # the engine's dtype: bfloat16, or float32 where bfloat16 is emulated
     if not loaded.int4:
-        sys.exit("--int4: the default model has no int4 form here (it needs a CPU with native bfloat16)")
+        sys.exit("--int4: the default model has no int4 form here (`quantized_linear.int4_serves`)")
     loaded.freeze()
+    print(f"model in {loaded.dtype}, linear kernels: {describe_linear_kernels(loaded.model)}")
     rows = []
     for batch in args.batches:
         step = OursDecode(loaded, batch, args.context, loaded.dtype)
@@ -481,7 +482,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the model as loaded (default: after model.freeze(), as the engine runs it)")
     p.add_argument("--quick", action="store_true", help="bfloat16 only, 3 repetitions")
     p.add_argument("--int4", action="store_true",
-                   help="compare decode with dense bf16, int4 and the dispatch (default batches "
+                   help="compare decode with dense, int4 and the dispatch (default batches "
                         "1,2,4,8,16,32)")
     p.add_argument("--decode-graph", action="store_true",
                    help="one sequence's decode step, eager vs the compiled graph, at --contexts")

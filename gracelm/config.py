@@ -133,8 +133,9 @@ class EngineConfig:
                                 "precision as bfloat16 where the device computes it natively)",
                         choices=DTYPE_CHOICES)
     quantization: str = option("auto", "low-bit weight kernels: auto (a GGUF file's 4-bit blocks serve "
-                                       "decode steps of few sequences where the model runs in bfloat16, "
-                                       "dense weights the rest), none (dense weights only)",
+                                       "decode steps of few sequences on the CPU in bfloat16, or in "
+                                       "float32 chosen by --dtype auto; dense weights the rest), none "
+                                       "(dense weights only)",
                                choices=QUANTIZATION_CHOICES)
     device: str = option("auto", "where the model, KV cache and sampler run (auto: cuda when torch sees a "
                                  "GPU and tensor_parallel_size is 1, else cpu)", choices=DEVICE_CHOICES)

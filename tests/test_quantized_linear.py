@@ -3,9 +3,9 @@ Q4_1 blocks read into the int4 kernel's form hold gguf's own dequantized values 
 equals the dequantized one up to float32 rounding with float32 scales, and stays within the rounding of
 bfloat16 scales as served, each row computed as if alone; `FrozenLinear` picks the kernel by the number of
 rows (seen in the profiler) and can be forced to one; the form is cached; a 4-bit GGUF model serves few
-rows through it (an engine says so in its log), float32 and `--quantization none` keep dense weights; on
-the default model the greedy tokens agree with the dense bfloat16 path where the dense logits do not nearly
-tie."""
+rows through it, in bfloat16 and in float32 chosen by `--dtype auto` (an engine says so in its log); a
+float32 asked for and `--quantization none` keep dense weights; on the default model the greedy tokens
+agree with the dense path where the dense logits do not nearly tie."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from gracelm.model.gguf_int4 import int4_blocks
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.model_files import ModelLoadError
-from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Linear, int4_kernel_fits, layout_id
+from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Linear, layout_id
 from gracelm.model.weight_cache import entry_path
 from tests.test_default_model import greedy_batch
 from tests.test_gguf import VOCAB, gguf_layout, hf_model, write_gguf
@@ -38,8 +38,11 @@ SHAPES = [(128, 576), (40, 96), (200, 64), (48, 32)]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]  # across INT4_MAX_ROWS
 BF16_UNIT_ROUNDOFF = 2.0**-8
 
-needs_native_bf16 = pytest.mark.skipif(not int4_kernel_fits(torch.bfloat16),
-                                       reason="the int4 kernel serves bfloat16 models: not native here")
+NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+needs_native_bf16 = pytest.mark.skipif(not NATIVE_BF16, reason="bfloat16 is emulated on this CPU")
+# What `--dtype auto` runs a 4-bit model in here, and the dense bfloat16 kernel.
+SERVED_DTYPE = torch.bfloat16 if NATIVE_BF16 else torch.float32
+DENSE_BF16 = "bfloat16 oneDNN" if NATIVE_BF16 else "bfloat16 F.linear"
 
 
 def quantized(shape: tuple[int, int], qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -122,18 +125,20 @@ def kernels_run(linear: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor,
     return out, {event.key for event in profile.key_averages()}
 
 
-@needs_native_bf16
-def test_frozen_linear_picks_the_kernel_by_rows_and_can_be_forced() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_frozen_linear_picks_the_kernel_by_rows_and_can_be_forced(dtype: torch.dtype) -> None:
+    """In float32 too: the int4 form takes bfloat16 activations and answers in float32."""
     blocks, reference = quantized((128, 576), Q.Q4_1)
-    bias = torch.randn(128).to(torch.bfloat16)
-    frozen = FrozenLinear([reference.to(torch.bfloat16)], [bias], int4_form(blocks, Q.Q4_1))
-    dense = FrozenLinear([reference.to(torch.bfloat16)], [bias])
-    assert frozen.int4_max_rows == INT4_MAX_ROWS
+    bias = torch.randn(128).to(dtype)
+    frozen = FrozenLinear([reference.to(dtype)], [bias], int4_form(blocks, Q.Q4_1))
+    dense = FrozenLinear([reference.to(dtype)], [bias])
+    assert frozen.int4_max_rows == INT4_MAX_ROWS and frozen.int4.scales_zeros.dtype == torch.bfloat16
     for max_rows in (INT4_MAX_ROWS, 0, sys.maxsize):  # as measured, never, always
         frozen.int4_max_rows = max_rows
         for rows in ROWS:
-            x = activations(rows, 576, torch.bfloat16)
+            x = activations(rows, 576, dtype)
             out, ops = kernels_run(frozen, x)
+            assert out.dtype == dtype
             chosen = frozen.int4(x) + bias if rows <= max_rows else dense(x)
             assert (INT4_OP in ops) == (rows <= max_rows), (max_rows, rows, ops)
             assert torch.equal(out, chosen)
@@ -177,27 +182,32 @@ def decode_logits(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> tor
     return torch.stack(logits)
 
 
-@needs_native_bf16
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
-def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Path, qtype: Q) -> None:
+def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Path, qtype: Q,
+                                                                   dtype: str) -> None:
+    """In bfloat16, and in what `--dtype auto` gives (float32 where bfloat16 is emulated: the int4 calls
+    then round the activations to bfloat16)."""
     path = tiny_gguf(tmp_path / "m.gguf", qtype)
-    loaded = load_model(path, dtype="bfloat16")
+    loaded = load_model(path, dtype=dtype)
+    assert loaded.dtype == (torch.bfloat16 if dtype == "bfloat16" else SERVED_DTYPE)
     assert set(loaded.int4) == {name for name, t in loaded.model.state_dict().items() if t.dim() == 2}
     loaded.freeze()
     assert not loaded.int4  # handed over
+    dense_kernel = DENSE_BF16 if loaded.dtype == torch.bfloat16 else "float32 F.linear"
     assert describe_linear_kernels(loaded.model).startswith(
-        f"int4 (group 32, bfloat16 scales) for decode steps of <= {INT4_MAX_ROWS} rows, bfloat16 oneDNN "
+        f"int4 (group 32, bfloat16 scales) for decode steps of <= {INT4_MAX_ROWS} rows, {dense_kernel} "
         f"above and for prompts, for "
         f"{2 * 4 + 1} of {2 * 4 + 1} matmuls")
     dense = load_model(path, dtype="bfloat16", quantization="none")
     assert not dense.int4
     dense.freeze()
-    assert describe_linear_kernels(dense.model) == "bfloat16 oneDNN at every batch size (9 matmuls)"
+    assert describe_linear_kernels(dense.model) == f"{DENSE_BF16} at every batch size (9 matmuls)"
     exact = load_model(path, dtype="float32", quantization="none")
     exact.freeze()
     reference = decode_logits(exact.model, 2, torch.float32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        ours = decode_logits(loaded.model, 2, torch.bfloat16)
+        ours = decode_logits(loaded.model, 2, loaded.dtype)
     assert INT4_OP in {event.key for event in profile.key_averages()}
     dense_error = (decode_logits(dense.model, 2, torch.bfloat16) - reference).abs().max()
     int4_error = (ours - reference).abs().max()
@@ -206,7 +216,6 @@ def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Pat
     assert int4_error <= 3 * dense_error, (int4_error, dense_error)
 
 
-@needs_native_bf16
 def test_prompt_rows_take_the_dense_weights_however_few(tmp_path: Path) -> None:
     """A prompt's tail of 2 rows (what is left when the prefix cache served its head) runs dense, as the
     whole prompt does; a decode step of 2 rows runs int4."""
@@ -230,8 +239,7 @@ def test_prompt_rows_take_the_dense_weights_however_few(tmp_path: Path) -> None:
     assert INT4_OP in kernels_of_step([1, 1], 6)  # two decode tokens
 
 
-@needs_native_bf16
-def test_float32_and_none_keep_dense_weights(tmp_path: Path) -> None:
+def test_float32_asked_and_none_keep_dense_weights(tmp_path: Path) -> None:
     path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1)
     loaded = load_model(path, dtype="float32")
     assert not loaded.int4
@@ -241,7 +249,6 @@ def test_float32_and_none_keep_dense_weights(tmp_path: Path) -> None:
         load_model(path, quantization="awq")
 
 
-@needs_native_bf16
 def test_the_int4_form_is_cached_and_a_damaged_entry_rebuilt(tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1, seed=11)  # a file of its own: a cold cache
@@ -267,7 +274,6 @@ def assert_same_forms(forms: dict[str, Int4Linear], expected: dict[str, Int4Line
         assert torch.equal(forms[name].scales_zeros, form.scales_zeros)
 
 
-@needs_native_bf16
 def test_an_engine_logs_its_linear_kernels(tmp_path: Path, capfd: pytest.CaptureFixture,
                                            caplog: pytest.LogCaptureFixture) -> None:
     """From `--quantization` (here `Engine(quantization=...)`) to the core's log."""
@@ -275,7 +281,7 @@ def test_an_engine_logs_its_linear_kernels(tmp_path: Path, capfd: pytest.Capture
     caplog.set_level(logging.INFO)  # the core logs at its parent's level
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for quantization, kernels in (("auto", "int4 (group 32, bfloat16 scales)"),
-                                  ("none", "bfloat16 oneDNN at every batch size")):
+                                  ("none", f"{DENSE_BF16} at every batch size")):
         with Engine(str(path), dtype="bfloat16", quantization=quantization, num_threads=1,
                     kv_cache_memory="4MiB") as engine:
             out = engine.generate([[5, 6, 7, 8]], greedy, use_tqdm=False)
@@ -307,14 +313,14 @@ def forced_logits(loaded: LoadedModel, tokens: list[int], prompt_length: int) ->
     return torch.stack(logits)
 
 
-@needs_native_bf16
 @pytest.mark.timeout(600)
-def test_default_model_greedy_tokens_agree_with_dense_bfloat16() -> None:
-    """Teacher-forced on the dense path's own greedy continuations (so that one flip does not derail the
-    rest): the int4 path's top token is the dense one's at least 90 % of the time (measured: 236 of 240
-    over 6 prompts, 40 tokens each), and it differs only where the dense logits nearly tie (within 0.22
+def test_default_model_greedy_tokens_agree_with_the_dense_path() -> None:
+    """In the dtype `--dtype auto` gives (bfloat16, or float32 where bfloat16 is emulated), teacher-forced on
+    the dense path's own greedy continuations (so that one flip does not derail the rest): the int4 path's
+    top token is the dense one's at least 90 % of the time (measured in bfloat16: 236 of 240 over 6
+    prompts, 40 tokens each), and it differs only where the dense logits nearly tie (within 0.22
     measured; 1.0 allowed)."""
-    loaded = load_model(None, dtype="bfloat16")
+    loaded = load_model(None)
     loaded.freeze()
     agree, total = 0, 0
     for prompt in PROMPTS:

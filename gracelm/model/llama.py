@@ -23,7 +23,14 @@ from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.attention import AttentionMetadata, paged_attention
 from gracelm.model.decode_graph import DecodeGraph
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Choice, Int4Gate, Int4Linear
+from gracelm.model.quantized_linear import (
+    GROUP_SIZE,
+    INT4_MAX_ROWS,
+    KERNEL_DTYPE,
+    Int4Choice,
+    Int4Gate,
+    Int4Linear,
+)
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -64,7 +71,7 @@ class FrozenLinear(nn.Module):
         self.bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
         self.packed = _onednn_packed(weight)
         self.weight = weight if self.packed is None else None
-        self.int4 = None if int4 is None else int4.to_dtype(weight.dtype)
+        self.int4 = None if int4 is None else int4.to_dtype(KERNEL_DTYPE)
         self.int4_gate = Int4Gate(int4_max_rows)  # its own until a model shares one (`of`)
         # Batch-invariant mode: the matmul that replaces `matmul` (`batch_invariant.py`).
         self.invariant_matmul: Callable[[torch.Tensor], torch.Tensor] | None = None

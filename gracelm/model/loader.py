@@ -26,7 +26,7 @@ from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import LlamaForCausalLM
 from gracelm.model.load_progress import load_progress
 from gracelm.model.model_files import ModelLoadError, read_hf_config, resolve_model_path
-from gracelm.model.quantized_linear import INT4_MAX_ROWS, Int4Linear, int4_kernel_fits
+from gracelm.model.quantized_linear import INT4_MAX_ROWS, Int4Linear, int4_serves
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import cached_tokenizer
 from gracelm.startup_timeline import mark
@@ -72,8 +72,8 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
     (SmolLM2-135M-Instruct GGUF).
 
     `quantization` (`config.QUANTIZATION_CHOICES`): "auto" also loads a GGUF file's 4-bit blocks in the int4
-    kernel's form where the model runs in bfloat16 on the CPU (`quantized_linear.int4_kernel_fits`); "none"
-    loads dense weights only."""
+    kernel's form where the model runs on the CPU in bfloat16, or in float32 chosen by "auto"
+    (`quantized_linear.int4_serves`); "none" loads dense weights only."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATION_CHOICES:
@@ -112,23 +112,23 @@ def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.dev
     tokenizer = model_file.tokenizer()
     mark("tokenizer")
     state = model_file.weights(target)
-    int4 = _int4_weights(model_file, target, quantization, device)
+    int4 = _int4_weights(model_file, target, dtype, quantization, device)
     mark("weights")
     model = build_model(model_file.config, state, target, source=path)
     mark("model")
     return LoadedModel(model_file.config, model, tokenizer, path, target, path.stem, device, int4)
 
 
-def _int4_weights(model_file: GGUFModel, dtype: torch.dtype, quantization: str,
+def _int4_weights(model_file: GGUFModel, dtype: torch.dtype, dtype_asked: str, quantization: str,
                   device: torch.device) -> dict[str, Int4Linear]:
-    """The file's 4-bit matrices in the int4 kernel's form, where `quantization` asks and the kernel fits
+    """The file's 4-bit matrices in the int4 kernel's form, where `quantization` asks and the kernel serves
     (torch's int4 kernel used here is the CPU one)."""
     if quantization == "none" or not model_file.int4_matrices():
         return {}
-    if device.type != "cpu" or not int4_kernel_fits(dtype):
-        logger.info("%s: its 4-bit matrices are served dequantized, in %s on %s: the int4 kernel takes "
-                    "bfloat16 activations on the CPU only", model_file.gguf.path,
-                    str(dtype).removeprefix("torch."), device)
+    if device.type != "cpu" or not int4_serves(dtype, dtype_asked):
+        logger.info("%s: its 4-bit matrices are served dequantized, in %s (%s asked) on %s: the int4 kernel "
+                    "serves CPU models in bfloat16, or in float32 chosen by --dtype auto",
+                    model_file.gguf.path, str(dtype).removeprefix("torch."), dtype_asked, device)
         return {}
     return model_file.int4_weights()
 

@@ -8,9 +8,12 @@ in a blocked layout of its own (`_convert_weight_to_int4pack_for_cpu`: blocks of
 with AVX2; `layout_id` tells layouts apart, since a cached copy must match the running kernel), and s and z
 in the dtype of the activations.
 
-Scales in bfloat16: on x86 the kernel is vectorised for bfloat16 activations only; float32 ones and scales
-(which would hold the file's float16 scales exactly) run its scalar fallback, measured 17x slower than
-bfloat16 on this project's machine and 6x slower than the dense bfloat16 matmul. Scales and zeros are kept
+Scales in bfloat16: on x86 the kernel is vectorised for bfloat16 activations only (AVX-512 and AVX2 alike);
+float32 ones and scales (which would hold the file's float16 scales exactly) run its scalar fallback,
+measured 17x slower than bfloat16 on this project's machine and 6x slower than the dense bfloat16 matmul.
+So a float32 model's linears round their activations to bfloat16 for the kernel and widen its output back
+(`KERNEL_DTYPE`): a CPU without native bfloat16 (AVX2: Zen 3, say) runs its models in float32, and there
+the kernel beats float32 MKL streaming the weights (`int4_serves`). Scales and zeros are kept
 in float32 (exact) until `FrozenLinear` casts them to its dtype. Rounded to bfloat16 they change the
 weights by 1.4-1.7x what rounding the dequantized weights to bfloat16 does (the dense bfloat16 path), both
 about 2 % of the file's own 4-bit quantisation error (Frobenius norms, the default model's Q4_1 tensors).
@@ -38,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The activations' and scales' dtype of the kernel's vectorised path: other activations are cast to it.
+KERNEL_DTYPE = torch.bfloat16
 # Inputs per scale and zero: GGUF's Q4_0/Q4_1 block size.
 GROUP_SIZE = 32
 # Steps of at most this many rows use the int4 kernel, larger ones the dense weight (see above).
@@ -99,9 +104,10 @@ class Int4Linear(nn.Module):
         return Int4Linear(self.packed, self.scales_zeros.to(dtype), self.rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP_SIZE,
-                                                         self.scales_zeros)
-        return out if out.shape[1] == self.rows else out[:, : self.rows]
+        """x @ weight.T in the scales' dtype, returned in x's (a no-op cast where they agree)."""
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.scales_zeros.dtype).contiguous(),
+                                                         self.packed, GROUP_SIZE, self.scales_zeros)
+        return (out if out.shape[1] == self.rows else out[:, : self.rows]).to(x.dtype)
 
 
 class Int4Gate:
@@ -143,10 +149,12 @@ class Int4Choice:
         return Int4Linear.stacked(parts)
 
 
-def int4_kernel_fits(dtype: torch.dtype) -> bool:
-    """Whether the int4 kernel serves a model of `dtype` here: bfloat16 activations (its only vectorised
-    kind) on a CPU whose bfloat16 is native (elsewhere the model runs in float32)."""
-    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def int4_serves(dtype: torch.dtype, dtype_asked: str) -> bool:
+    """Whether a CPU model of `dtype` takes 4-bit forms: a bfloat16 one, or a float32 one whose dtype was
+    chosen for it (`--dtype auto` on a CPU whose bfloat16 is emulated), its activations rounded to
+    bfloat16 in the kernel's calls. A float32 asked for keeps the file's values exactly, through the dense
+    weights: the parity with transformers rests on it."""
+    return dtype == KERNEL_DTYPE or (dtype == torch.float32 and dtype_asked == "auto")
 
 
 @functools.cache
