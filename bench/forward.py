@@ -335,10 +335,10 @@ def bench_decode_graph(args: argparse.Namespace) -> list[dict]:
     """Decode steps of `--batches` sequences (up to INT4_MAX_ROWS), eager against the compiled graphs (from
     the cache, else compiled here and kept there), alternating, at each `--contexts` length; and how far
     apart their logits are."""
-    loaded = load_model(None, dtype="bfloat16")
+    loaded = load_model(None)  # the engine's dtype: bfloat16, or float32 where bfloat16 is emulated
     loaded.freeze()
     if not graph_applies(EngineConfig(), loaded, 1):
-        sys.exit("--decode-graph: it does not apply here (it needs a CPU with native bfloat16)")
+        sys.exit("--decode-graph: it does not apply here (the model has no int4 forms)")
     graphs = []
     for rows in BATCHES:
         path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, BLOCK_SIZE, rows))

@@ -1,6 +1,7 @@
 """The compiled decode step (`model/decode_graph.py`) and its background build
 (`parallel/decode_graph_build.py`), on a tiny 4-bit GGUF model: the graph gives eager's logits and writes the
-KV cache as eager does, over paged, shuffled blocks at every context length it serves; a server compiles it
+KV cache as eager does, over paged, shuffled blocks at every context length it serves (in the dtype
+`--dtype auto` gives: bfloat16, or float32 where bfloat16 is emulated); a server compiles it
 in the background while it serves eagerly, then serves compiled, answers the same, and stops with nothing
 left (during the compile too); the next start loads it from the cache without compiling."""
 
@@ -22,9 +23,8 @@ from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import load_model
 from tests.server_process import ServerProcess
 from tests.test_gguf import Q
-from tests.test_quantized_linear import needs_native_bf16, tiny_gguf
+from tests.test_quantized_linear import tiny_gguf
 
-pytestmark = needs_native_bf16
 BLOCK = 16
 COMPILE_TIMEOUT_S = 240
 
@@ -36,7 +36,7 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def compiled(gguf: Path, tmp_path_factory: pytest.TempPathFactory):
-    loaded = load_model(gguf, dtype="bfloat16")
+    loaded = load_model(gguf)  # bfloat16, or float32 where bfloat16 is emulated
     loaded.freeze()
     folder = tmp_path_factory.mktemp("graph")
     graphs = []
@@ -66,7 +66,8 @@ def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, 
     generator = torch.Generator().manual_seed(len(contexts) * 1000 + contexts[0])
     tables = torch.randperm(len(contexts) * per_seq + 4, generator=generator)[:len(contexts) * per_seq]
     tables = tables.view(len(contexts), per_seq)
-    before = allocate_kv_cache(model.config, len(contexts) * per_seq + 4, BLOCK, torch.bfloat16)
+    before = allocate_kv_cache(model.config, len(contexts) * per_seq + 4, BLOCK,
+                               model.model.embed_tokens.weight.dtype)
     for cache in before:
         cache.normal_(generator=generator)
     eager_caches, graph_caches = [c.clone() for c in before], [c.clone() for c in before]

@@ -23,7 +23,7 @@ from gracelm import Engine, SamplingParams
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.gguf_int4 import int4_blocks
+from gracelm.model.gguf_int4 import input_copies, int4_blocks
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.model_files import ModelLoadError
@@ -37,6 +37,8 @@ INT4_OP = "aten::_weight_int4pack_mm_for_cpu"
 SHAPES = [(128, 576), (40, 96), (200, 64), (48, 32)]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]  # across INT4_MAX_ROWS
 BF16_UNIT_ROUNDOFF = 2.0**-8
+# Block types the int4 kernel takes: 4-bit ones, and Q8_0 as two 4-bit halves.
+BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
 NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 needs_native_bf16 = pytest.mark.skipif(not NATIVE_BF16, reason="bfloat16 is emulated on this CPU")
@@ -54,7 +56,12 @@ def quantized(shape: tuple[int, int], qtype: Q, seed: int = 0) -> tuple[np.ndarr
 
 
 def int4_form(blocks: np.ndarray, qtype: Q) -> Int4Linear:
-    return Int4Linear.pack(*int4_blocks(blocks, qtype))
+    return Int4Linear.pack(*int4_blocks(blocks, qtype), input_copies(qtype))
+
+
+def by_input(per_column: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """[rows, K] from [rows, K · input_copies]: a Q8_0 weight is its two halves' sum."""
+    return per_column.view(per_column.shape[0], input_copies(qtype), -1).sum(1)
 
 
 def activations(rows: int, columns: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -62,18 +69,18 @@ def activations(rows: int, columns: int, dtype: torch.dtype = torch.float32) -> 
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
 def test_blocks_read_as_ggufs_own_dequantized_values(qtype: Q, shape: tuple[int, int]) -> None:
     blocks, reference = quantized(shape, qtype)
     q, scales, zeros = int4_blocks(blocks, qtype)
-    assert q.min() >= 0 and q.max() <= 15 and q.shape == shape
+    assert q.min() >= 0 and q.max() <= 15 and q.shape == (shape[0], shape[1] * input_copies(qtype))
     groups = q.float().view(shape[0], -1, GROUP_SIZE)
     values = (groups - 8) * scales[..., None] + zeros[..., None]
-    assert torch.equal(values.reshape(shape), reference)
+    assert torch.equal(by_input(values.reshape(q.shape), qtype), reference)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
 def test_the_kernel_multiplies_the_files_values_with_float32_scales(qtype: Q, shape: tuple[int, int]) -> None:
     """Scales and zeros as loaded (float32, exact): the product is the dequantized one up to float32
     rounding, so the packed layout loses nothing (and a wrong layout would show at once)."""
@@ -88,19 +95,21 @@ def test_the_kernel_multiplies_the_files_values_with_float32_scales(qtype: Q, sh
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
 def test_bfloat16_scales_err_only_by_their_rounding(qtype: Q, shape: tuple[int, int]) -> None:
     """As served (bfloat16 activations and scales): each weight is off by at most the rounding of its
-    group's scale times |q - 8| plus that of its zero, and the output by that and its own rounding."""
+    group's scale times |q - 8| plus that of its zero (of each half's, for Q8_0), and the output by that
+    and its own rounding."""
     blocks, reference = quantized(shape, qtype)
     q, scales, zeros = int4_blocks(blocks, qtype)
-    linear = Int4Linear.pack(q, scales, zeros).to_dtype(torch.bfloat16)
+    linear = Int4Linear.pack(q, scales, zeros, input_copies(qtype)).to_dtype(torch.bfloat16)
     per_weight = BF16_UNIT_ROUNDOFF * ((q.double() - 8).abs().view(shape[0], -1, GROUP_SIZE)
                                        * scales.double().abs()[..., None] + zeros.double().abs()[..., None])
+    per_weight = by_input(per_weight.reshape(q.shape), qtype)
     for rows in ROWS:
         x = activations(rows, shape[1], torch.bfloat16)
         expected = x.double() @ reference.double().T
-        bound = (x.double().abs() @ per_weight.reshape(shape).T + BF16_UNIT_ROUNDOFF * expected.abs()
+        bound = (x.double().abs() @ per_weight.T + BF16_UNIT_ROUNDOFF * expected.abs()
                  + 1e-5 * (x.double().abs() @ reference.double().abs().T))
         error = (linear(x).double() - expected).abs()
         assert (error <= bound).all(), f"{rows} rows: {(error - bound).max()}"
@@ -183,7 +192,7 @@ def decode_logits(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> tor
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
 def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Path, qtype: Q,
                                                                    dtype: str) -> None:
     """In bfloat16, and in what `--dtype auto` gives (float32 where bfloat16 is emulated: the int4 calls

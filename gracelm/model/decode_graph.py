@@ -1,5 +1,6 @@
-"""Decode steps of up to 8 sequences, compiled ahead of time by AOTInductor: for a bfloat16 model on the CPU
-whose linears have 4-bit forms (a GGUF file's Q4 blocks, `model/quantized_linear.py`).
+"""Decode steps of up to 8 sequences, compiled ahead of time by AOTInductor: for a model on the CPU whose
+linears have 4-bit forms (a GGUF file's Q4 blocks, `model/quantized_linear.py`), in bfloat16 or, where
+bfloat16 is emulated, in float32.
 
 Why. At few sequences per step the matmuls are a third of the step: the int4 kernel reads the 30 layers'
 weights in about 2.5 ms and the logits head takes 1.1 ms, while the ~1,700 small eager ops around them
@@ -173,7 +174,7 @@ def _min_blocks(rows: range) -> int:
 def _example_inputs(decoder: nn.Module, config: object, block_size: int, seqs: int) -> tuple:
     """Decode tokens of `seqs` sequences at position 2 * block_size + 1, over three blocks each of a small
     cache: every size that is dynamic differs from the others and from 1."""
-    caches = allocate_kv_cache(config, 3 * seqs + 2, block_size, torch.bfloat16)
+    caches = allocate_kv_cache(config, 3 * seqs + 2, block_size, decoder.embed_tokens.weight.dtype)
     position = 2 * block_size + 1
     tables = torch.arange(1, 3 * seqs + 1).view(seqs, 3)
     batch = ForwardBatch(input_ids=torch.ones(seqs, dtype=torch.long),

@@ -1,12 +1,19 @@
-"""GGUF's 4-bit blocks (Q4_0, Q4_1) read straight into the int4 kernel's form (`model/quantized_linear.py`),
-value for value: a block is 32 consecutive weights of a row, one float16 scale d (and, for Q4_1, a float16
-minimum m) and 16 bytes of 4-bit q, the low nibbles the block's first 16 weights, the high ones the next 16.
+"""GGUF's 4-bit blocks (Q4_0, Q4_1), and its 8-bit ones (Q8_0) as two 4-bit halves, read straight into the
+int4 kernel's form (`model/quantized_linear.py`), value for value: a block is 32 consecutive weights of a
+row, one float16 scale d (and, for Q4_1, a float16 minimum m) and its q: 16 bytes of 4-bit q, the low
+nibbles the block's first 16 weights, the high ones the next 16; or, for Q8_0, 32 signed bytes.
 
     Q4_0: w = d·(q − 8)          -> scale d, zero 0
     Q4_1: w = d·q + m = d·(q − 8) + (m + 8d)   -> scale d, zero m + 8d
+    Q8_0: w = d·q, q + 128 = 16·hi + lo -> w = 16d·(hi − 8) + d·(lo − 8) + 8d
+
+A Q8_0 matrix [N, K] thus becomes a 4-bit one [N, 2K]: the hi halves of every block (scale 16d, zero 0),
+then the lo halves (scale d, zero 8d), which multiplies the input written twice, [x, x]
+(`input_copies`): exactly the file's weights, for twice a 4-bit matrix's work — a quarter of the bytes
+the dense bfloat16 copy reads, and the kernel at few rows is bound by them.
 
 d and m are exact in float32, and so is m + 8d unless the two differ by more than 2^13 in magnitude (never
-in a real block; the rounding would then be float32's).
+in a real block; the rounding would then be float32's); 16d and 8d are exact.
 """
 
 from __future__ import annotations
@@ -15,19 +22,29 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-# Bytes before the 16 bytes of q in a block: d, or d and m (float16 each).
-_HEADER_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
+# Bytes before the q in a block: d, or d and m (float16 each).
+_HEADER_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}
 INT4_TYPES = tuple(_HEADER_BYTES)
+
+
+def input_copies(ggml_type: GGMLQuantizationType) -> int:
+    """How many times the kernel's input repeats x for a matrix of `ggml_type`: twice for Q8_0's halves."""
+    return 2 if ggml_type == GGMLQuantizationType.Q8_0 else 1
 
 
 def int4_blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [rows, K] (uint8, 0..15), float32 scales and zeros [rows, K / 32] of a matrix's blocks; `raw` is its
-    stored bytes, [rows, bytes per row] (`GGUFFile.raw_tensor`)."""
+    """q [rows, K · input_copies] (uint8, 0..15), float32 scales and zeros [rows, K · input_copies / 32] of
+    a matrix's blocks; `raw` is its stored bytes, [rows, bytes per row] (`GGUFFile.raw_tensor`)."""
     header = _HEADER_BYTES[ggml_type]
     rows = raw.shape[0]
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(rows, -1, header + 16)
+    q_bytes = 32 if ggml_type == GGMLQuantizationType.Q8_0 else 16
+    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(rows, -1, header + q_bytes)
     d = _float16_field(blocks, 0)
+    if ggml_type == GGMLQuantizationType.Q8_0:
+        unsigned = (blocks[..., header:].view(torch.int8).to(torch.int16) + 128).reshape(rows, -1)
+        q = torch.cat([unsigned >> 4, unsigned & 15], dim=1).to(torch.uint8)
+        return q, torch.cat([16 * d, d], dim=1), torch.cat([torch.zeros_like(d), 8 * d], dim=1)
     nibbles = blocks[..., header:]
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(rows, -1)
     if ggml_type == GGMLQuantizationType.Q4_0:

@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.file_hash import content_hash
 from gracelm.model.gguf_config import ROPE_FREQS, gguf_model_config
-from gracelm.model.gguf_int4 import INT4_TYPES, int4_blocks
+from gracelm.model.gguf_int4 import INT4_TYPES, input_copies, int4_blocks
 from gracelm.model.gguf_reader import GGUFFile, GGUFTensorInfo, read_gguf
 from gracelm.model.load_progress import load_progress
 from gracelm.model.quantized_linear import Int4Linear, layout_id
@@ -95,20 +95,24 @@ class GGUFModel:
         return cached_weights(self.model_hash, dtype, shapes, lambda: _converted(self, dtype))
 
     def int4_matrices(self) -> dict[str, str]:
-        """GGUF name -> Hugging Face name of the matrices stored in 4-bit blocks (`gguf_int4.INT4_TYPES`)."""
+        """GGUF name -> Hugging Face name of the matrices stored in blocks the int4 kernel takes
+        (`gguf_int4.INT4_TYPES`: 4-bit ones, and 8-bit ones as two 4-bit halves)."""
         return {gguf_name: hf_name for gguf_name, hf_name in self.names.items()
                 if self.gguf.tensors[gguf_name].ggml_type in INT4_TYPES}
 
     def int4_weights(self) -> dict[str, Int4Linear]:
         """The `int4_matrices` in the int4 kernel's form, under their Hugging Face names."""
         blocks = self.int4_matrices()
+        infos = {gguf_name: self.gguf.tensors[gguf_name] for gguf_name in blocks}
         expected = {f"{hf_name}.{part}": form
                     for gguf_name, hf_name in blocks.items()
-                    for part, form in Int4Linear.stored_form(*self.gguf.tensors[gguf_name].shape).items()}
+                    for part, form in Int4Linear.stored_form(
+                        infos[gguf_name].shape[0],
+                        infos[gguf_name].shape[1] * input_copies(infos[gguf_name].ggml_type)).items()}
         tensors = cached_tensors(self.model_hash, f"int4-{layout_id()}", expected,
                                  lambda: _converted_int4(self, blocks))
         return {hf_name: Int4Linear(tensors[f"{hf_name}.packed"], tensors[f"{hf_name}.scales_zeros"],
-                                    self.gguf.tensors[gguf_name].shape[0])
+                                    infos[gguf_name].shape[0], input_copies(infos[gguf_name].ggml_type))
                 for gguf_name, hf_name in blocks.items()}
 
 
@@ -138,7 +142,7 @@ def _converted_int4(model: GGUFModel, blocks: dict[str, str]) -> dict[str, torch
         part = gguf_name.split(".")[-2]
         if part in rotary_heads:
             parts = tuple(_unpermute_rotary(t, rotary_heads[part]) for t in parts)
-        for name, tensor in Int4Linear.pack(*parts).tensors().items():
+        for name, tensor in Int4Linear.pack(*parts, input_copies(info.ggml_type)).tensors().items():
             tensors[f"{hf_name}.{name}"] = tensor
     return tensors
 

@@ -59,15 +59,21 @@ class Int4Linear(nn.Module):
     """A [rows, K] weight as the int4 kernel reads it: `packed` uint8 [rows padded to 16, K / 2] and
     `scales_zeros` [K / GROUP_SIZE, rows padded, 2] (scale, zero) in the activations' dtype."""
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, rows: int) -> None:
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, rows: int, input_copies: int = 1
+                 ) -> None:
         super().__init__()
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
         self.rows = rows
+        # The kernel's K is the input's this many times over (an 8-bit matrix as two 4-bit halves,
+        # `gguf_int4.py`): the input is repeated to match.
+        self.input_copies = input_copies
 
     @classmethod
-    def pack(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Int4Linear:
-        """From q [N, K] (integers 0..15) and float32 scales and zeros [N, K / GROUP_SIZE]."""
+    def pack(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, input_copies: int = 1
+             ) -> Int4Linear:
+        """From q [N, K] (integers 0..15) and float32 scales and zeros [N, K / GROUP_SIZE]; K is the input's
+        width times `input_copies`."""
         rows = q.shape[0]
         pad = -rows % _ROW_MULTIPLE
         if pad:  # q = 8 with scale and zero 0: rows of zeros
@@ -75,11 +81,12 @@ class Int4Linear(nn.Module):
             scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
                                                                     _INNER_K_TILES)
-        return cls(packed, torch.stack([scales.T, zeros.T], dim=-1).contiguous(), rows)
+        return cls(packed, torch.stack([scales.T, zeros.T], dim=-1).contiguous(), rows, input_copies)
 
     @staticmethod
     def stored_form(rows: int, columns: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """The shapes and dtypes of `tensors()`, as `pack` makes them, for a [rows, columns] weight."""
+        """The shapes and dtypes of `tensors()`, as `pack` makes them, for a [rows, columns] weight (columns:
+        the kernel's K)."""
         padded = rows + -rows % _ROW_MULTIPLE
         return {"packed": ((padded, columns // 2), torch.uint8),
                 "scales_zeros": ((columns // GROUP_SIZE, padded, 2), torch.float32)}
@@ -94,18 +101,22 @@ class Int4Linear(nn.Module):
         every part but the last must fill whole blocks of the layout, unpadded."""
         if len(parts) == 1:
             return parts[0]
-        if any(p.rows % _PACK_BLOCK_ROWS for p in parts[:-1]) or len({p.packed.shape[1] for p in parts}) > 1:
+        if (any(p.rows % _PACK_BLOCK_ROWS for p in parts[:-1]) or len({p.packed.shape[1] for p in parts}) > 1
+                or len({p.input_copies for p in parts}) > 1):
             return None
         return Int4Linear(torch.cat([p.packed for p in parts]), torch.cat([p.scales_zeros for p in parts], 1),
-                          sum(p.rows for p in parts))
+                          sum(p.rows for p in parts), parts[0].input_copies)
 
     def to_dtype(self, dtype: torch.dtype) -> Int4Linear:
         """With scales and zeros in `dtype`, the dtype of the activations it will multiply."""
-        return Int4Linear(self.packed, self.scales_zeros.to(dtype), self.rows)
+        return Int4Linear(self.packed, self.scales_zeros.to(dtype), self.rows, self.input_copies)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T in the scales' dtype, returned in x's (a no-op cast where they agree)."""
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.scales_zeros.dtype).contiguous(),
+        kernel_input = x.to(self.scales_zeros.dtype)
+        if self.input_copies > 1:
+            kernel_input = kernel_input.repeat(1, self.input_copies)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(kernel_input.contiguous(),
                                                          self.packed, GROUP_SIZE, self.scales_zeros)
         return (out if out.shape[1] == self.rows else out[:, : self.rows]).to(x.dtype)
 
