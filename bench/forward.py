@@ -25,8 +25,9 @@ missing), alternating, at each of `--contexts`, and says how far apart their log
 
 `--int4` compares the linear kernels instead, on the same frozen model in the engine's dtype (bfloat16, or
 float32 on a CPU that emulates bfloat16): decode steps with dense weights at every batch size, with the
-int4 form at every batch size, and with the dispatch the engine uses (int4 up to `INT4_MAX_ROWS` rows), the
-three alternating within each repetition; read the ratios to dense, which is where the crossover is.
+int4 form at every batch size, and with the dispatch the engine uses (int4 up to
+`quantized_linear.int4_max_rows` rows), the three alternating within each repetition; read the ratios to
+dense, which is where the crossover is.
 
 `--llama-bench` is a mode of its own: gracelm's batch-1 decode and 512-token prefill per `--dtypes`, beside
 llama.cpp's `llama-bench -m GGUF -t T -p 512 -n 128` on the same file (built by `bench/serve.py
@@ -59,7 +60,7 @@ from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import FrozenLinear, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import DTYPES, LoadedModel, load_model
 from gracelm.model.model_files import default_model_path
-from gracelm.model.quantized_linear import INT4_MAX_ROWS
+from gracelm.model.quantized_linear import int4_max_rows
 from gracelm.parallel.decode_graph_build import graph_applies
 
 BLOCK_SIZE = 16
@@ -89,8 +90,9 @@ class Row:
         return None if ms is None else self.tokens / ms * 1e3
 
 
-# The linear kernels `--int4` compares: the `int4_max_rows` of each.
-KERNEL_CHOICES = {"dense": 0, "int4": sys.maxsize, "dispatch": INT4_MAX_ROWS}
+# The linear kernels `--int4` compares, by name: the `int4_max_rows` of each but the dispatch's, which is
+# the engine's for the model's dtype.
+KERNEL_CHOICES = {"dense": 0, "int4": sys.maxsize, "dispatch": None}
 
 
 @dataclass
@@ -311,12 +313,15 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def bench_kernels(args: argparse.Namespace) -> list[KernelRow]:
+def bench_kernels(args: argparse.Namespace) -> tuple[list[KernelRow], int]:
+    """The rows, and the dispatch's int4 rows."""
     loaded = load_model(None)  # the engine's dtype: bfloat16, or float32 where bfloat16 is emulated
     if not loaded.int4:
         sys.exit("--int4: the default model has no int4 form here (`quantized_linear.int4_serves`)")
     loaded.freeze()
     print(f"model in {loaded.dtype}, linear kernels: {describe_linear_kernels(loaded.model)}")
+    dispatch = int4_max_rows(loaded.dtype)
+    choices = [dispatch if n is None else n for n in KERNEL_CHOICES.values()]
     rows = []
     for batch in args.batches:
         step = OursDecode(loaded, batch, args.context, loaded.dtype)
@@ -325,14 +330,14 @@ def bench_kernels(args: argparse.Namespace) -> list[KernelRow]:
             set_int4_max_rows(loaded.model, max_rows)
             return step()
 
-        fns = [lambda n=n: with_kernels(n) for n in KERNEL_CHOICES.values()]
+        fns = [lambda n=n: with_kernels(n) for n in choices]
         times = interleaved_ms(fns, args.repeats)
         rows.append(KernelRow(batch, dict(zip(KERNEL_CHOICES, times, strict=True))))
-    return rows
+    return rows, dispatch
 
 
 def bench_decode_graph(args: argparse.Namespace) -> list[dict]:
-    """Decode steps of `--batches` sequences (up to INT4_MAX_ROWS), eager against the compiled graphs (from
+    """Decode steps of `--batches` sequences (up to 8), eager against the compiled graphs (from
     the cache, else compiled here and kept there), alternating, at each `--contexts` length; and how far
     apart their logits are."""
     loaded = load_model(None)  # the engine's dtype: bfloat16, or float32 where bfloat16 is emulated
@@ -373,7 +378,7 @@ def format_decode_graph_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_kernel_table(rows: list[KernelRow], context: int) -> str:
+def format_kernel_table(rows: list[KernelRow], context: int, dispatch: int) -> str:
     names = list(KERNEL_CHOICES)
     head = f"{'decode':<20}" + "".join(f"{n + ' tok/s':>17}" for n in names) + "".join(
         f"{n + '/dense':>15}" for n in names[1:])
@@ -383,8 +388,8 @@ def format_kernel_table(rows: list[KernelRow], context: int) -> str:
         lines.append(f"{f'b={r.batch} ctx={context}':<20}"
                      + "".join(f"{r.batch / r.ms[n] * 1e3:>17.1f}" for n in names)
                      + "".join(f"{dense / r.ms[n]:>15.2f}" for n in names[1:]))
-    lines.append(f"dispatch: int4 for steps of <= {INT4_MAX_ROWS} rows; x/dense: speed relative to dense "
-                 f"bf16 (above 1: faster); {torch.get_num_threads()} threads")
+    lines.append(f"dispatch: int4 for steps of <= {dispatch} rows; x/dense: speed relative to dense "
+                 f"(above 1: faster); {torch.get_num_threads()} threads")
     return "\n".join(lines)
 
 
@@ -524,12 +529,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     prepare_torch(args.threads)
     if args.int4:
-        kernel_rows = bench_kernels(args)
-        print(format_kernel_table(kernel_rows, args.context))
+        kernel_rows, dispatch = bench_kernels(args)
+        print(format_kernel_table(kernel_rows, args.context, dispatch))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"context": args.context, "threads": torch.get_num_threads(), "int4_max_rows":
-                           INT4_MAX_ROWS, "rows": [asdict(r) for r in kernel_rows]}, f, indent=2)
+                           dispatch, "rows": [asdict(r) for r in kernel_rows]}, f, indent=2)
         return
     if args.decode_graph:
         graph_rows = bench_decode_graph(args)

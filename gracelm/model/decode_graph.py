@@ -60,7 +60,7 @@ FORMAT_VERSION = 1
 # Contexts up to this many tokens run compiled (see above).
 MAX_CONTEXT = 1024
 # The graphs built, by the sequences of their steps: one (static shapes), and 2 to 8 (the int4 kernel's
-# range, `quantized_linear.INT4_MAX_ROWS`).
+# range in bfloat16, `quantized_linear.INT4_MAX_ROWS`; a float32 model's larger steps run eagerly).
 BATCHES = (range(1, 2), range(2, INT4_MAX_ROWS + 1))
 # Packages kept in the cache folder, most recently used first: the graphs of two models.
 MAX_ENTRIES = 2 * len(BATCHES)

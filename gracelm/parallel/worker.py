@@ -40,7 +40,6 @@ from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import describe_linear_kernels
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.prompt_logprobs import prompt_logprobs
-from gracelm.model.quantized_linear import INT4_MAX_ROWS
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
 from gracelm.model.token_constraints import ConstraintStates, has_constraints
 from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch, StepResult
@@ -101,7 +100,7 @@ class Worker:
         else:
             # Deterministic mode: one kernel for every batch size, the dense one (the int4 kernel's crossover
             # would make a row's bits depend on the size of its step).
-            self.loaded.freeze(0 if self.config.deterministic else INT4_MAX_ROWS)
+            self.loaded.freeze(0 if self.config.deterministic else None)
         if self.config.deterministic and self.shard is not None:
             self.shard.make_batch_invariant()
         elif self.config.deterministic:
