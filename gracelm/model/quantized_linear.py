@@ -14,7 +14,7 @@ measured 17x slower than bfloat16 on this project's machine and 6x slower than t
 So a float32 model's linears round their activations to bfloat16 for the kernel and widen its output back
 (`KERNEL_DTYPE`): a CPU without native bfloat16 (AVX2: Zen 3, say) runs its models in float32, and there
 the kernel beats float32 MKL streaming the weights (`int4_serves`). Scales and zeros are kept
-in float32 (exact) until `FrozenLinear` casts them to its dtype. Rounded to bfloat16 they change the
+in float32 (exact) until `FrozenLinear` casts them to bfloat16. Rounded to bfloat16 they change the
 weights by 1.4-1.7x what rounding the dequantized weights to bfloat16 does (the dense bfloat16 path), both
 about 2 % of the file's own 4-bit quantisation error (Frobenius norms, the default model's Q4_1 tensors).
 
@@ -59,7 +59,7 @@ _INNER_K_TILES = 8
 
 class Int4Linear(nn.Module):
     """A [rows, K] weight as the int4 kernel reads it: `packed` uint8 [rows padded to 16, K / 2] and
-    `scales_zeros` [K / GROUP_SIZE, rows padded, 2] (scale, zero) in the activations' dtype."""
+    `scales_zeros` [K / GROUP_SIZE, rows padded, 2] (scale, zero) in the dtype the kernel computes in."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, rows: int, input_copies: int = 1
                  ) -> None:
