@@ -149,6 +149,9 @@ def test_ready_after_ready_route_pings_while_healthy_and_none_once_the_idle_core
     server = core = None
     try:
         server = serve(model, notify, "--engine-hang-timeout", str(hang_timeout))
+        # The server may look ready to `serve` before the receiving thread has handled READY=1 (a busy
+        # machine): READY is recorded once `on_ready` has run.
+        notify.wait_for(lambda fields: "READY" in fields)
         assert ready_answers == [200], (ready_answers, notify.errors)
         ready_at = notify.times("READY")[0]
         first_pid, first = notify.messages[0][1], notify.messages[0][2]

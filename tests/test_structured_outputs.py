@@ -79,9 +79,14 @@ def test_json_schema_holds_over_many_seeds(client):
     for choice in r.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-    # The same seed gives the same answers (in a batch of the same shape: the logits depend on it).
+    # The same seed gives the same answer, for a request alone on the server. Not asserted with n > 1: the
+    # choices' prompt tails may share a step with each other or with a sibling's first decode rows, as
+    # their arrival at the core falls, and the default computation's kernels (float32 MKL, oneDNN
+    # bfloat16, the int4 kernel against the dense one) give a row other bits in steps of other shapes (an
+    # n=2 pair run twice differed in 2 of 5 full-suite runs); `--deterministic` is the mode that promises
+    # it whatever the batch (tests/test_deterministic.py).
     twice = [client.chat.completions.create(model="default", messages=ASK, response_format=RESPONSE_FORMAT,
-                                            temperature=1.0, seed=99, n=2, max_tokens=200) for _ in range(2)]
+                                            temperature=1.0, seed=99, max_tokens=200) for _ in range(2)]
     assert [c.message.content for c in twice[0].choices] == [c.message.content for c in twice[1].choices]
 
 
