@@ -26,7 +26,7 @@ missing), alternating, at each of `--contexts`, and says how far apart their log
 `--int4` compares the linear kernels instead, on the same frozen model in the engine's dtype (bfloat16, or
 float32 on a CPU that emulates bfloat16): decode steps with dense weights at every batch size, with the
 int4 form at every batch size, and with the dispatch the engine uses (int4 up to
-`quantized_linear.int4_max_rows` rows), the three alternating within each repetition; read the ratios to
+`quantized_linear.int4_rows_for` rows), the three alternating within each repetition; read the ratios to
 dense, which is where the crossover is.
 
 `--llama-bench` is a mode of its own: gracelm's batch-1 decode and 512-token prefill per `--dtypes`, beside
@@ -60,7 +60,7 @@ from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import FrozenLinear, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import DTYPES, LoadedModel, load_model
 from gracelm.model.model_files import default_model_path
-from gracelm.model.quantized_linear import int4_max_rows
+from gracelm.model.quantized_linear import int4_rows_for
 from gracelm.parallel.decode_graph_build import graph_applies
 
 BLOCK_SIZE = 16
@@ -320,7 +320,7 @@ def bench_kernels(args: argparse.Namespace) -> tuple[list[KernelRow], int]:
         sys.exit("--int4: the default model has no int4 form here (`quantized_linear.int4_serves`)")
     loaded.freeze()
     print(f"model in {loaded.dtype}, linear kernels: {describe_linear_kernels(loaded.model)}")
-    dispatch = int4_max_rows(loaded.dtype)
+    dispatch = int4_rows_for(loaded.dtype)
     choices = [dispatch if n is None else n for n in KERNEL_CHOICES.values()]
     rows = []
     for batch in args.batches:

@@ -27,7 +27,7 @@ from gracelm.model.gguf_int4 import input_copies, int4_blocks
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.model_files import ModelLoadError
-from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Linear, int4_max_rows, layout_id
+from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Linear, int4_rows_for, layout_id
 from gracelm.model.weight_cache import entry_path
 from tests.test_default_model import greedy_batch
 from tests.test_gguf import VOCAB, gguf_layout, hf_model, write_gguf
@@ -205,7 +205,7 @@ def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Pat
     assert not loaded.int4  # handed over
     dense_kernel = DENSE_BF16 if loaded.dtype == torch.bfloat16 else "float32 F.linear"
     assert describe_linear_kernels(loaded.model).startswith(
-        f"int4 (group 32, bfloat16 scales) for decode steps of <= {int4_max_rows(loaded.dtype)} rows, "
+        f"int4 (group 32, bfloat16 scales) for decode steps of <= {int4_rows_for(loaded.dtype)} rows, "
         f"{dense_kernel} "
         f"above and for prompts, for "
         f"{2 * 4 + 1} of {2 * 4 + 1} matmuls")
@@ -338,7 +338,7 @@ def test_default_model_greedy_tokens_agree_with_the_dense_path() -> None:
         set_int4_max_rows(loaded.model, 0)
         tokens = ids + greedy_batch(loaded, [ids], 24)[0]
         dense = forced_logits(loaded, tokens, len(ids))
-        set_int4_max_rows(loaded.model, int4_max_rows(loaded.dtype))
+        set_int4_max_rows(loaded.model, int4_rows_for(loaded.dtype))
         int4 = forced_logits(loaded, tokens, len(ids))
         dense_top, int4_top = dense.argmax(-1), int4.argmax(-1)
         agree += int((dense_top == int4_top).sum())

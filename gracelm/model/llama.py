@@ -30,6 +30,7 @@ from gracelm.model.quantized_linear import (
     Int4Choice,
     Int4Gate,
     Int4Linear,
+    int4_rows_for,
 )
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -325,13 +326,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_proj: FrozenLinear | None = None
 
-    def freeze(self, int4: Mapping[str, Int4Linear] | None = None,
-               int4_max_rows: int = INT4_MAX_ROWS) -> None:
+    def freeze(self, int4: Mapping[str, Int4Linear] | None = None, int4_max_rows: int | None = None) -> None:
         """Readies the loaded weights for fast inference: the decoder's (see `LlamaModel.freeze`) and the
         logits projection's, with the 4-bit forms `int4` gives by weight name (a GGUF file's, as
-        `LoadedModel.int4` holds them) for steps of at most `int4_max_rows` rows. Their weights leave the
-        state dict: load before, never after. (A tensor-parallel wrapper, which has its own logits head,
-        shards first and then calls `LlamaModel.freeze`.)"""
+        `LoadedModel.int4` holds them) for steps of at most `int4_max_rows` rows (None: the crossover of
+        the model's dtype, `quantized_linear.int4_rows_for`). Their weights leave the state dict: load
+        before, never after. (A tensor-parallel wrapper, which has its own logits head, shards first and
+        then calls `LlamaModel.freeze`.)"""
+        if int4_max_rows is None:
+            int4_max_rows = int4_rows_for(self.model.embed_tokens.weight.dtype)
         choice = Int4Choice.of(self, int4, int4_max_rows) if int4 else None
         self.model.freeze(choice)
         # Tied: the embedding keeps its plain matrix for lookups, the logits get their own (packed) copy.

@@ -26,7 +26,7 @@ from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import LlamaForCausalLM
 from gracelm.model.load_progress import load_progress
 from gracelm.model.model_files import ModelLoadError, read_hf_config, resolve_model_path
-from gracelm.model.quantized_linear import Int4Linear, int4_max_rows, int4_serves
+from gracelm.model.quantized_linear import Int4Linear, int4_serves
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import cached_tokenizer
 from gracelm.startup_timeline import mark
@@ -59,11 +59,11 @@ class LoadedModel:
     # The 4-bit forms of some weights, by name, until `freeze` hands them to the model.
     int4: dict[str, Int4Linear] = field(default_factory=dict)
 
-    def freeze(self, int4_rows: int | None = None) -> None:
+    def freeze(self, int4_max_rows: int | None = None) -> None:
         """Readies the model for inference (`LlamaForCausalLM.freeze`), its linears of 4-bit forms using them
-        for steps of at most `int4_rows` rows (0: never; `sys.maxsize`: always; None: the crossover of
-        its dtype, `quantized_linear.int4_max_rows`)."""
-        self.model.freeze(self.int4, int4_max_rows(self.dtype) if int4_rows is None else int4_rows)
+        for steps of at most `int4_max_rows` rows (0: never; `sys.maxsize`: always; None: the crossover of
+        its dtype, `quantized_linear.int4_rows_for`)."""
+        self.model.freeze(self.int4, int4_max_rows)
         self.int4 = {}
 
 

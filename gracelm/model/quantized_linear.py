@@ -47,7 +47,7 @@ KERNEL_DTYPE = torch.bfloat16
 GROUP_SIZE = 32
 # Steps of at most this many rows use the int4 kernel, larger ones the dense weight (see above).
 INT4_MAX_ROWS = 8
-# The same against float32 MKL, for a float32 model on a CPU whose bfloat16 is emulated (`int4_max_rows`).
+# The same against float32 MKL, for a float32 model on a CPU whose bfloat16 is emulated (`int4_rows_for`).
 INT4_MAX_ROWS_FLOAT32 = 32
 # The kernel needs whole multiples of 16 rows; a weight of another height is padded with zero rows.
 _ROW_MULTIPLE = 16
@@ -170,7 +170,7 @@ def int4_serves(dtype: torch.dtype, dtype_asked: str) -> bool:
     return dtype == KERNEL_DTYPE or (dtype == torch.float32 and dtype_asked == "auto")
 
 
-def int4_max_rows(dtype: torch.dtype) -> int:
+def int4_rows_for(dtype: torch.dtype) -> int:
     """The rows up to which a model of `dtype` uses its 4-bit forms. Against float32 MKL on an AVX2 CPU
     (Zen 3, default model, context 256, 2 threads, `bench/forward.py --int4`), speed with int4 over speed
     with dense float32 weights: 2.2 at 1 row, 3.0 at 4, 1.9 at 8, 1.3-1.4 at 16, 1.08 at 24, 1.05 at 32,
