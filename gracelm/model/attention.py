@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from gracelm.arith import cdiv
 from gracelm.config import ModelConfig
+from gracelm.model import decode_attention
 from gracelm.model.forward_batch import ForwardBatch
 
 # Names the layout below; part of the fingerprint of KV-cache snapshots on disk, so a change of the layout
@@ -102,6 +103,10 @@ class QueryGroup:
     keys: torch.Tensor
     slots: torch.Tensor  # [B, blocks_per_seq * block_size] cache slot of each context position
     value_bags: tuple[torch.Tensor, torch.Tensor] | None = None  # see `_value_bags`, made by the first layer
+    lengths: torch.Tensor | None = None  # [B] context lengths of a group of decode tokens
+    # Attended by the fused kernel (`decode_attention.py`: decode tokens, not in batch-invariant mode), not by
+    # `_group_attention`
+    fused: bool = False
 
 
 @dataclass
@@ -150,8 +155,11 @@ def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], kv_ca
     seq_lens = torch.tensor([batch.seq_lens[i] for i in seqs], device=device)
     all_tokens_in_order = len(seqs) == starts[-1]
     rows = None if all_tokens_in_order else torch.tensor([starts[i] for i in seqs], device=device)
-    return _query_group(batch.block_tables.index_select(0, index), seq_lens[:, None], rows, kv_cache,
-                        batch_invariant)
+    group = _query_group(batch.block_tables.index_select(0, index), seq_lens[:, None], rows, kv_cache,
+                         batch_invariant)
+    group.lengths = seq_lens
+    group.fused = not batch_invariant and decode_attention.applies(kv_cache)
+    return group
 
 
 def _prefill_tiles(batch: ForwardBatch, i: int, start: int, kv_cache: torch.Tensor) -> list[QueryGroup]:
@@ -214,15 +222,25 @@ def paged_attention(
     scale = 1.0 / math.sqrt(head_dim)
     groups = meta.groups
     if len(groups) == 1 and groups[0].rows is None:
-        return _group_attention(q, kv_cache, groups[0], scale).to(q.dtype)
+        return _attend(q, kv_cache, groups[0], scale).to(q.dtype)
     out = torch.empty(meta.num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     for group in groups:
-        attended = _group_attention(q.index_select(0, group.rows), kv_cache, group, scale)
+        attended = _attend(q.index_select(0, group.rows), kv_cache, group, scale)
         out.index_copy_(0, group.rows, attended.to(q.dtype))
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
     return out
+
+
+def _attend(q: torch.Tensor, kv_cache: torch.Tensor, group: QueryGroup, scale: float) -> torch.Tensor:
+    """The group's rows of q [rows, heads, head_dim] attended -> [rows, heads * head_dim], by the fused
+    kernel where it serves the group and q has the cache's dtype."""
+    if group.fused and q.dtype == kv_cache.dtype:
+        tables = group.block_ids.view(group.lengths.shape[0], group.blocks_per_seq)
+        out = decode_attention.paged_decode_attention(q, kv_cache, tables, group.lengths, scale)
+        return out.view(q.shape[0], -1)
+    return _group_attention(q, kv_cache, group, scale)
 
 
 def _group_attention(

@@ -48,6 +48,7 @@ from torch import nn
 
 from gracelm.arith import cdiv
 from gracelm.cache_dir import cache_dir, mtime
+from gracelm.model import decode_attention
 from gracelm.model.attention import AttentionMetadata, QueryGroup, allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.kv_snapshot import pid_alive
@@ -56,7 +57,7 @@ from gracelm.model.quantized_linear import INT4_MAX_ROWS, layout_id
 logger = logging.getLogger(__name__)
 
 # Part of the key: a change of what is exported or how must change it.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # Contexts up to this many tokens run compiled (see above).
 MAX_CONTEXT = 1024
 # The graphs built, by the sequences of their steps: one (static shapes), and 2 to 8 (the int4 kernel's
@@ -78,12 +79,13 @@ class _DecoderStack(nn.Module):
         self.norm = decoder.norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                block_tables: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+                block_tables: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         _, kv_heads, _, block_size, head_dim = kv_caches[0].shape
         block_ids = block_tables.reshape(-1)
         keys = kv_caches[0].new_empty((kv_heads, block_ids.shape[0], block_size, head_dim))
-        group = QueryGroup(None, 1, False, block_ids, block_tables.shape[1], mask, keys, slots)
+        group = QueryGroup(None, 1, False, block_ids, block_tables.shape[1], mask, keys, slots,
+                           lengths=lengths, fused=decode_attention.applies(kv_caches[0]))
         meta = AttentionMetadata(slot_mapping, x.shape[0], [group], [])
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
@@ -115,13 +117,13 @@ class DecodeGraph:
         """The final norm's output [B, hidden] for the step of `meta` (its one decode group)."""
         group = meta.groups[0]
         return self.runner(x, cos, sin, meta.slot_mapping, group.block_ids.view(x.shape[0], -1), group.mask,
-                           group.slots, kv_caches)
+                           group.slots, group.lengths, kv_caches)
 
 
 def graph_key(model_hash: str, dtype: torch.dtype, block_size: int, rows: range) -> str:
     parts = [model_hash, str(dtype), f"block {block_size}", f"int4 layout {layout_id()}", torch.__version__,
              torch.backends.cpu.get_cpu_capability(), f"max context {MAX_CONTEXT}", f"rows {rows}",
-             f"v{FORMAT_VERSION}"]
+             f"fused attention {decode_attention.LOADED}", f"v{FORMAT_VERSION}"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
@@ -140,12 +142,12 @@ def compile_graph(model: nn.Module, block_size: int, rows: range, path: Path) ->
     context = block_size * blocks
     cache_blocks = torch.export.Dim("cache_blocks", min=2)
     if len(rows) == 1:  # static: one sequence
-        dynamic = (None, None, None, None, {1: blocks}, {4: context}, {1: context},
+        dynamic = (None, None, None, None, {1: blocks}, {4: context}, {1: context}, None,
                    [{2: cache_blocks}] * len(args[-1]))
     else:
         seqs = torch.export.Dim("seqs", min=rows.start, max=rows.stop - 1)
         dynamic = ({0: seqs}, {0: seqs}, {0: seqs}, {0: seqs}, {0: seqs, 1: blocks}, {1: seqs, 4: context},
-                   {0: seqs, 1: context}, [{2: cache_blocks}] * len(args[-1]))
+                   {0: seqs, 1: context}, {0: seqs}, [{2: cache_blocks}] * len(args[-1]))
     decoder.int4_gate.prompt_step = False
     with torch.inference_mode():
         exported = torch.export.export(_DecoderStack(decoder), args, dynamic_shapes=dynamic, strict=False)
@@ -185,7 +187,8 @@ def _example_inputs(decoder: nn.Module, config: object, block_size: int, seqs: i
     with torch.inference_mode():
         x, cos, sin, meta = decoder.step_inputs(batch, caches)
     group = meta.groups[0]
-    return x, cos, sin, meta.slot_mapping, group.block_ids.view(seqs, -1), group.mask, group.slots, caches
+    return (x, cos, sin, meta.slot_mapping, group.block_ids.view(seqs, -1), group.mask, group.slots,
+            group.lengths, caches)
 
 
 def _prune(folder: Path) -> None:

@@ -1,0 +1,56 @@
+"""Fused paged attention of decode tokens on the CPU: `torch.ops.gracelm.paged_decode_attention`, built from
+`gracelm/csrc/paged_decode_attention.cpp` into `gracelm._kernels` when the package is installed
+(`setup.py`).
+
+One query token per sequence attends the sequence's cached context, read block by block straight from the
+paged cache: no gathered copy of the keys, no masked padding up to the longest sequence, one pass for the
+scores and one for the values, float32 sums throughout. One task per (sequence, KV head) serves every
+query head of that KV head (GQA), so each key and value row is read once. It replaces the decode path of
+`attention.py:_group_attention` (gathered keys, a bf16 `bmm`, a masked softmax, an `embedding_bag` over the
+values) where it applies (`applies`); why a hand-written kernel: docs/architecture.md, "Decode attention".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _load() -> bool:
+    """Loads the compiled library once; False (and a warning naming what is missing) where the package was
+    installed without it: decode attention then takes the unfused path."""
+    spec = importlib.util.find_spec("gracelm._kernels")
+    if spec is None or spec.origin is None:
+        logger.warning("gracelm._kernels is not built (install with `pip install --no-build-isolation -e .`, "
+                       "as scripts/bootstrap.sh does): decode attention runs unfused")
+        return False
+    torch.ops.load_library(spec.origin)
+    return True
+
+
+LOADED = _load()
+
+if LOADED:
+    @torch.library.register_fake("gracelm::paged_decode_attention")
+    def _(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+          scale: float) -> torch.Tensor:
+        return q.new_empty(q.shape, dtype=torch.float32)
+
+
+def applies(kv_cache: torch.Tensor) -> bool:
+    """Whether decode tokens over `kv_cache` (a layer's) are attended by the fused kernel."""
+    return LOADED and kv_cache.device.type == "cpu" and kv_cache.dtype in DTYPES
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, heads, head_dim] (one decode token per sequence, the cache's dtype) attends the first
+    `seq_lens[b]` tokens of the blocks `block_tables[b]` of `kv_cache` [2, kv_heads, blocks, block_size,
+    head_dim] -> [B, heads, head_dim] float32."""
+    return torch.ops.gracelm.paged_decode_attention(q.contiguous(), kv_cache, block_tables, seq_lens, scale)
