@@ -1,14 +1,18 @@
-"""Candidate decode paths on CPU, measured against the ones the engine runs (see docs/architecture.md, "Decode
+"""Decode paths on CPU, measured against each other (see docs/architecture.md, "Decode attention" and "Decode
 paths measured and not taken").
 
     .venv/bin/python bench/decode_paths.py attention --batches 1,8,32,64 --contexts 128,512,2048
+    .venv/bin/python bench/decode_paths.py attention --flex          # FlexAttention too (compiles per shape)
     .venv/bin/python bench/decode_paths.py step --batches 1,8,32,64
 
 `attention`: one layer's decode attention of the default model's shape (9 query heads, 3 KV heads, head
-dim 64, bfloat16 cache of 16-token blocks, every sequence's blocks interleaved with the others'):
-`attention._decode_attention` against FlexAttention compiled by inductor's C++ template, which streams the
-blocks a block mask lists with an online softmax (the partial last block masked by a `mask_mod`). Both
-are checked against a float64 reference.
+dim 64, bfloat16 cache of 16-token blocks, every sequence's blocks interleaved with the others'), over
+`--layers` distinct caches used in turn, so that each call reads its cache from memory as a step's layers
+do: the fused kernel the engine runs (`model/decode_attention.py`) against the unfused path it replaced
+(`attention._group_attention`: gathered keys, a bf16 `bmm`, `embedding_bag` over the values) and, with
+`--flex`, FlexAttention compiled by inductor's C++ template, which streams the blocks a block mask lists
+with an online softmax (the partial last block masked by a `mask_mod`). Each is checked against a float64
+reference.
 
 `step`: a whole decode step of the default model in bfloat16, eager against `torch.compile` of the 30
 decoder layers as one graph (inductor's C++ backend, static shapes per batch size). Inductor cannot lower
@@ -17,7 +21,7 @@ metadata, so both run as opaque custom ops inside the graph; the norms, rope, re
 compiled. Compile time is measured cold (an empty inductor cache) and warm (the same graphs again after
 `torch._dynamo.reset()`, from inductor's on-disk FX graph cache).
 
-Times are medians of repetitions in which the two paths alternate; on a shared machine read the ratios.
+Times are medians of repetitions in which the paths alternate; on a shared machine read the ratios.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from forward import BLOCK_SIZE, OursDecode, int_list, interleaved_ms, prepare_torch  # noqa: E402
 
-from gracelm.model import llama  # noqa: E402
-from gracelm.model.attention import AttentionMetadata, _decode_attention, paged_attention  # noqa: E402
+from gracelm.model import decode_attention, llama  # noqa: E402
+from gracelm.model.attention import AttentionMetadata, _group_attention, paged_attention  # noqa: E402
 from gracelm.model.forward_batch import ForwardBatch  # noqa: E402
 from gracelm.model.loader import load_model  # noqa: E402
 from gracelm.model.rope import rope_cos_sin  # noqa: E402
@@ -55,11 +59,12 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def decode_case(
-    batch: int, context: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-    """A layer's cache of `batch` sequences of `context` tokens, block k of sequence s at s + batch * k."""
+    batch: int, context: int, dtype: torch.dtype, layers: int = 1
+) -> tuple[torch.Tensor, list[torch.Tensor], ForwardBatch]:
+    """`layers` caches of `batch` sequences of `context` tokens, block k of sequence s at s + batch * k."""
     per_seq = -(-context // BLOCK_SIZE)
-    cache = torch.randn(2, KV_HEADS, batch * per_seq, BLOCK_SIZE, HEAD_DIM).to(dtype)
+    shape = (2, KV_HEADS, batch * per_seq, BLOCK_SIZE, HEAD_DIM)
+    caches = [torch.randn(shape).to(dtype) for _ in range(layers)]
     tables = torch.tensor([[s + batch * k for k in range(per_seq)] for s in range(batch)])
     pos = context - 1
     fb = ForwardBatch(
@@ -67,7 +72,7 @@ def decode_case(
         slot_mapping=tables[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE, query_lens=[1] * batch,
         seq_lens=[context] * batch, block_tables=tables, logits_indices=torch.arange(batch),
     )
-    return torch.randn(batch, HEADS, HEAD_DIM).to(dtype), cache, fb
+    return torch.randn(batch, HEADS, HEAD_DIM).to(dtype), caches, fb
 
 
 def paged_block_mask(tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int):
@@ -114,36 +119,53 @@ def reference(q: torch.Tensor, cache: torch.Tensor, fb: ForwardBatch) -> torch.T
 
 
 def bench_attention(args: argparse.Namespace) -> None:
-    from torch.nn.attention.flex_attention import flex_attention
+    flex = None
+    if args.flex:
+        from torch.nn.attention.flex_attention import flex_attention
 
-    flex = torch.compile(flex_attention, dynamic=False)
-    print(f"{'batch':>5}{'context':>8}{'current ms':>11}{'flex ms':>9}{'cur/flex':>9}{'compile s':>10}"
-          f"{'err cur':>9}{'err flex':>9}")
+        flex = torch.compile(flex_attention, dynamic=False)
+    print(f"{args.layers} caches in turn")
+    flex_columns = f"{'flex ms':>9}{'unf/flex':>9}{'compile s':>10}" if flex else ""
+    print(f"{'batch':>5}{'context':>8}{'unfused ms':>11}{'fused ms':>9}{'unf/fused':>10}{flex_columns}"
+          f"{'err unfused':>12}{'err fused':>10}{'err flex' if flex else '':>9}")
     for batch in args.batches:
         for context in args.contexts:
             print(attention_case(flex, batch, context, args), flush=True)
 
 
-def attention_case(flex: Callable, batch: int, context: int, args: argparse.Namespace) -> str:
+def attention_case(flex: Callable | None, batch: int, context: int, args: argparse.Namespace) -> str:
     # Every shape is its own compile: without a reset, dynamo's recompile limit (8) would send the ninth
     # case to flex_attention's eager reference, silently.
     torch._dynamo.reset()
-    q, cache, fb = decode_case(batch, context, torch.bfloat16)
-    group = AttentionMetadata.build(fb, cache).decode
-    mask = paged_block_mask(fb.block_tables, torch.tensor(fb.seq_lens), cache.shape[2])
+    q, caches, fb = decode_case(batch, context, torch.bfloat16, args.layers)
+    group = AttentionMetadata.build(fb, caches[0]).groups[0]
+    lengths, scale = torch.tensor(fb.seq_lens), 1 / math.sqrt(HEAD_DIM)
+    layer = [0]
 
-    def current() -> torch.Tensor:
-        return _decode_attention(q, cache, group, 1 / math.sqrt(HEAD_DIM))
+    def cache() -> torch.Tensor:  # the next layer's
+        layer[0] = (layer[0] + 1) % len(caches)
+        return caches[layer[0]]
+
+    def unfused() -> torch.Tensor:
+        return _group_attention(q, cache(), group, scale)
 
     def fused() -> torch.Tensor:
-        return flex_decode(flex, q, cache, mask, args.partition_size)
+        out = decode_attention.paged_decode_attention(q, cache(), fb.block_tables, lengths, scale)
+        return out.view(batch, -1)
 
-    compile_s = timed(fused)
-    ref = reference(q, cache, fb)
-    errors = [(fn().double() - ref).abs().max().item() for fn in (current, fused)]
-    ms = interleaved_ms([current, fused], args.repeats)
-    return (f"{batch:>5}{context:>8}{ms[0]:>11.3f}{ms[1]:>9.3f}{ms[0] / ms[1]:>9.2f}{compile_s:>10.1f}"
-            f"{errors[0]:>9.4f}{errors[1]:>9.4f}")
+    paths = [unfused, fused]
+    if flex:
+        mask = paged_block_mask(fb.block_tables, lengths, caches[0].shape[2])
+        paths.append(lambda: flex_decode(flex, q, cache(), mask, args.partition_size))
+        compile_s = timed(paths[-1])
+    errors = []
+    for path in paths:
+        layer[0] = -1  # every path checked on the first cache
+        errors.append((path().double() - reference(q, caches[0], fb)).abs().max().item())
+    ms = interleaved_ms(paths, args.repeats)
+    flex_columns = f"{ms[2]:>9.3f}{ms[0] / ms[2]:>9.2f}{compile_s:>10.1f}" if flex else ""
+    return (f"{batch:>5}{context:>8}{ms[0]:>11.3f}{ms[1]:>9.3f}{ms[0] / ms[1]:>10.2f}{flex_columns}"
+            + "".join(f"{e:>{w}.4f}" for e, w in zip(errors, (12, 10, 9)[:len(errors)], strict=True)))
 
 
 # --- step -----------------------------------------------------------------------------------------------
@@ -261,6 +283,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("what", choices=("attention", "step"))
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
     p.add_argument("--contexts", default="128,512,2048", help="attention: tokens of context, comma-separated")
+    p.add_argument("--layers", type=int, default=30,
+                   help="attention: caches used in turn, so that each is read from memory (default 30)")
+    p.add_argument("--flex", action="store_true", help="attention: FlexAttention too (compiled per shape)")
     p.add_argument("--partition-size", type=int, default=128,
                    help="attention: inductor's PARTITION_SIZE (default 128: the split-KV template once the "
                         "cache is long enough; one not a multiple of the block size, e.g. 24: the plain one)")

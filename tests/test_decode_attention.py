@@ -61,6 +61,7 @@ def reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, length
 def test_fused_decode_attention_equals_the_reference(dtype: torch.dtype, heads: int, kv_heads: int,
                                                      head_dim: int, block_size: int) -> None:
     q, cache, tables, lengths = paged_inputs(LENGTHS, heads, kv_heads, head_dim, block_size, dtype)
+    tables = tables[:, :-1]  # a view, not contiguous: as the engine may slice its tables
     scale = head_dim ** -0.5
     got = decode_attention.paged_decode_attention(q, cache, tables, lengths, scale)
     assert got.dtype == torch.float32 and got.shape == q.shape

@@ -53,4 +53,5 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     """q [B, heads, head_dim] (one decode token per sequence, the cache's dtype) attends the first
     `seq_lens[b]` tokens of the blocks `block_tables[b]` of `kv_cache` [2, kv_heads, blocks, block_size,
     head_dim] -> [B, heads, head_dim] float32."""
-    return torch.ops.gracelm.paged_decode_attention(q.contiguous(), kv_cache, block_tables, seq_lens, scale)
+    return torch.ops.gracelm.paged_decode_attention(q.contiguous(), kv_cache, block_tables.contiguous(),
+                                                    seq_lens.contiguous(), scale)
