@@ -5,12 +5,14 @@ so that gathering a sequence's blocks (`index_select` on the block dimension) di
 `[kv_heads, tokens, head_dim]` operands of the attention matmuls: no transposing copy of the context.
 A token's slot `block_id * block_size + offset` indexes dim 1 of `cache[i].view(kv_heads, -1, head_dim)`.
 
-Decode tokens (query length 1) of all sequences go through one batched, masked computation in the cache's
-dtype when it is bfloat16 or float32: scores by a batched matmul over the gathered keys (oneDNN's bf16 `bmm`
-is 4-6x faster than float32 at these shapes and needs no converting copy of the cache), values summed by an
-`embedding_bag` straight from the cache. bf16 products accumulate in float32; only the scores and
-probabilities are rounded to bf16, as a bf16 model rounds all its activations (on SmolLM2 the mean logit
-error against float32 grows by about 10 %, top-1 agreement unchanged). The softmax runs in float32.
+Decode tokens (query length 1) of all sequences: on the CPU, with a bfloat16 or float32 cache, the fused
+kernel of `decode_attention.py` attends them straight from the cache blocks, every sum in float32
+(`QueryGroup.fused`). Elsewhere, and in batch-invariant mode, they go through one batched, masked computation
+in the cache's dtype when it is bfloat16 or float32 (`_group_attention`): scores by a batched matmul over
+the gathered keys (oneDNN's bf16 `bmm` is 4-6x faster than float32 at these shapes and needs no converting
+copy of the cache), values summed by an `embedding_bag` straight from the cache. bf16 products accumulate in
+float32; only the scores and probabilities are rounded to bf16 (on SmolLM2 the mean logit error against
+float32 grows by about 10 %, top-1 agreement unchanged). The softmax runs in float32.
 Prefill chunks go one sequence at a time through float32 `scaled_dot_product_attention` (its bf16 kernel
 is several times slower on CPU).
 

@@ -4,10 +4,11 @@ bfloat16 is emulated, in float32.
 
 Why. At few sequences per step the matmuls are a third of the step: the int4 kernel reads the 30 layers'
 weights in about 2.5 ms and the logits head takes 1.1 ms, while the ~1,700 small eager ops around them
-(norms, rope, residuals, the attention's glue; a few microseconds each of dispatch) take most of the rest
+(norms, rope, residuals, the attention's glue; a few microseconds each of dispatch) took most of the rest
 of a ~10.9 ms step (default model, one sequence, context 256, 2 threads). Compiled, those ops become a few
-fused C++ loops called from C++ (no Python, no dispatcher, no guards): 7.3 ms for the same step.
-`bench/forward.py --decode-graph` measures it.
+fused C++ loops called from C++ (no Python, no dispatcher, no guards): 7.3 ms for the same step (with the
+fused decode attention of `decode_attention.py`, which the graphs call as eager does: 7.2 ms against
+11.3 eager at one sequence, 18.1 against 24.8 at eight). `bench/forward.py --decode-graph` measures it.
 
 What is compiled (`_DecoderStack`): the decoder layers and the final norm, the very modules and code the
 eager forward runs (`LlamaDecoderLayer.forward`, `paged_attention`), traced by `torch.export` with the
@@ -30,7 +31,7 @@ Kept on disk (`graph_path`): `<cache>/graphs/<key>.pt2`, each package with its c
 weights and norms: 70 MB for the default model, and as much memory once loaded), keyed by everything the
 compiled code depends on (`graph_key`): the model file's content hash, dtype, block size, the int4 kernel's
 packed layout, torch's version, the CPU's vector capability, the graph's sequences and `FORMAT_VERSION`.
-Building them takes a minute or two of one core for the default model; `parallel/decode_graph_build.py`
+Building them takes about 40 s each of one core for the default model; `parallel/decode_graph_build.py`
 does it in a child process after the first start while the engine serves eagerly, and every later start
 loads them in 0.1 s each.
 """

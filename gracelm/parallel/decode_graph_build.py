@@ -3,8 +3,8 @@ to 8) without delaying the start: loaded from the cache when they are there (0.1
 says Ready), else compiled in a child process (`gracelm::compile`, niced, one thread) while the engine
 serves eagerly, and each loaded between two steps once the child has written it (one sequence's first).
 A start that finds no package therefore serves at eager speed for a minute or two (the default model on
-this project's machine: about 60 s, then 85 s more); every later start of the same model, torch and CPU is
-fast from its first step.
+this project's machine: about 45 s, then 40 s more, with the attention a compiled op of its own); every
+later start of the same model, torch and CPU is fast from its first step.
 
 The child is a resource of the executor's ledger: a stop kills it (a compile is worth nothing half done;
 its temporary file is removed by the next compile) and any compiler process it left. Its failure costs only
