@@ -27,7 +27,14 @@ from gracelm.model.gguf_int4 import input_copies, int4_blocks
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.model_files import ModelLoadError
-from gracelm.model.quantized_linear import GROUP_SIZE, INT4_MAX_ROWS, Int4Linear, int4_rows_for, layout_id
+from gracelm.model.quantized_linear import (
+    GROUP_SIZE,
+    HALVES_MAX_ROWS,
+    INT4_MAX_ROWS,
+    Int4Linear,
+    int4_rows_for,
+    layout_id,
+)
 from gracelm.model.weight_cache import entry_path
 from tests.test_default_model import greedy_batch
 from tests.test_gguf import VOCAB, gguf_layout, hf_model, write_gguf
@@ -204,8 +211,10 @@ def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Pat
     loaded.freeze()
     assert not loaded.int4  # handed over
     dense_kernel = DENSE_BF16 if loaded.dtype == torch.bfloat16 else "float32 F.linear"
+    halves = qtype == Q.Q8_0 and loaded.dtype == torch.bfloat16
     assert describe_linear_kernels(loaded.model).startswith(
-        f"int4 (group 32, bfloat16 scales) for decode steps of <= {int4_rows_for(loaded.dtype)} rows, "
+        f"int4 (group 32, bfloat16 scales) for decode steps of <= {int4_rows_for(loaded.dtype)} rows"
+        f"{f' (8-bit matrices as 4-bit halves: <= {HALVES_MAX_ROWS})' if halves else ''}, "
         f"{dense_kernel} "
         f"above and for prompts, for "
         f"{2 * 4 + 1} of {2 * 4 + 1} matmuls")
@@ -231,22 +240,38 @@ def test_prompt_rows_take_the_dense_weights_however_few(tmp_path: Path) -> None:
     whole prompt does; a decode step of 2 rows runs int4."""
     loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16")
     loaded.freeze()
-    caches = allocate_kv_cache(loaded.config, 1, 16, torch.bfloat16)
+    assert INT4_OP not in kernels_of_step(loaded, [4], 0)  # a prompt's head
+    assert INT4_OP not in kernels_of_step(loaded, [2], 4)  # its tail: 2 rows, still a prompt's
+    assert INT4_OP in kernels_of_step(loaded, [1, 1], 6)  # two decode tokens
 
-    def kernels_of_step(query_lens: list[int], start: int) -> set[str]:
-        rows = sum(query_lens)
-        positions = torch.tensor([start + i for q in query_lens for i in range(q)])
-        batch = ForwardBatch(input_ids=torch.arange(rows) + 1, positions=positions, slot_mapping=positions,
-                             query_lens=query_lens, seq_lens=[start + q for q in query_lens],
-                             block_tables=torch.zeros(len(query_lens), 1, dtype=torch.long),
-                             logits_indices=torch.tensor([rows - 1]))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            loaded.model(batch, caches)
-        return {event.key for event in profile.key_averages()}
 
-    assert INT4_OP not in kernels_of_step([4], 0)  # a prompt's head
-    assert INT4_OP not in kernels_of_step([2], 4)  # its tail: 2 rows, still a prompt's
-    assert INT4_OP in kernels_of_step([1, 1], 6)  # two decode tokens
+def kernels_of_step(loaded: LoadedModel, query_lens: list[int], start: int) -> set[str]:
+    """The ops a forward of sequences of `query_lens` new tokens after `start` cached ones (each over its own
+    block of a fresh cache) runs."""
+    caches = allocate_kv_cache(loaded.config, len(query_lens), 16, loaded.dtype)
+    rows = sum(query_lens)
+    positions = torch.tensor([start + i for q in query_lens for i in range(q)])
+    slots = torch.tensor([seq * 16 + start + i for seq, q in enumerate(query_lens) for i in range(q)])
+    batch = ForwardBatch(input_ids=torch.arange(rows) + 1, positions=positions, slot_mapping=slots,
+                         query_lens=query_lens, seq_lens=[start + q for q in query_lens],
+                         block_tables=torch.arange(len(query_lens))[:, None],
+                         logits_indices=torch.tensor(query_lens).cumsum(0) - 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        loaded.model(batch, caches)
+    return {event.key for event in profile.key_averages()}
+
+
+def test_8bit_halves_serve_bfloat16_steps_of_few_rows_only(tmp_path: Path) -> None:
+    """A Q8_0 matrix's halves take twice a 4-bit matrix's work: in bfloat16 they serve steps of at most
+    HALVES_MAX_ROWS rows (`quantized_linear.halves_rows_for`), where a 4-bit model's forms serve up to
+    INT4_MAX_ROWS."""
+    eight_bit = load_model(tiny_gguf(tmp_path / "q8.gguf", Q.Q8_0), dtype="bfloat16")
+    eight_bit.freeze()
+    assert INT4_OP in kernels_of_step(eight_bit, [1] * HALVES_MAX_ROWS, 6)
+    assert INT4_OP not in kernels_of_step(eight_bit, [1] * (HALVES_MAX_ROWS + 1), 6)
+    four_bit = load_model(tiny_gguf(tmp_path / "q4.gguf", Q.Q4_1), dtype="bfloat16")
+    four_bit.freeze()
+    assert INT4_OP in kernels_of_step(four_bit, [1] * INT4_MAX_ROWS, 6)
 
 
 def test_float32_asked_and_none_keep_dense_weights(tmp_path: Path) -> None:

@@ -105,7 +105,7 @@ class FrozenLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T + bias, one kernel call: the 4-bit form's where the gate admits it, else the dense."""
-        if self.int4 is not None and self.int4_gate.admits(x.shape[0]):
+        if self.int4 is not None and self.int4_gate.admits(x.shape[0], self.int4.input_copies > 1):
             out = self.int4(x)
             return out if self.bias is None else out + self.bias
         if self.packed is None:
@@ -144,10 +144,16 @@ def describe_linear_kernels(module: nn.Module) -> str:
     if not with_int4:
         return f"{dense} at every batch size ({len(linears)} matmuls)"
     scales = str(with_int4[0].int4.scales_zeros.dtype).removeprefix("torch.")
-    bounds = sorted({m.int4_max_rows for m in with_int4})
-    rows = "/".join(map(str, bounds))
-    return (f"int4 (group {GROUP_SIZE}, {scales} scales) for decode steps of <= {rows} rows, {dense} above "
-            f"and for prompts, for {len(with_int4)} of {len(linears)} matmuls; {dense} for the others")
+
+    def rows(halves: bool) -> str:
+        forms = [m for m in with_int4 if not halves or m.int4.input_copies > 1]
+        return "/".join(map(str, sorted({m.int4_gate.bound(halves) for m in forms})))
+
+    halves = any(m.int4.input_copies > 1 for m in with_int4) and rows(True) != rows(False)
+    halves_rows = f" (8-bit matrices as 4-bit halves: <= {rows(True)})" if halves else ""
+    return (f"int4 (group {GROUP_SIZE}, {scales} scales) for decode steps of <= {rows(False)} rows"
+            f"{halves_rows}, {dense} above and for prompts, for {len(with_int4)} of {len(linears)} matmuls; "
+            f"{dense} for the others")
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
@@ -333,9 +339,10 @@ class LlamaForCausalLM(nn.Module):
         the model's dtype, `quantized_linear.int4_rows_for`). Their weights leave the state dict: load
         before, never after. (A tensor-parallel wrapper, which has its own logits head, shards first and
         then calls `LlamaModel.freeze`.)"""
+        dtype = self.model.embed_tokens.weight.dtype
         if int4_max_rows is None:
-            int4_max_rows = int4_rows_for(self.model.embed_tokens.weight.dtype)
-        choice = Int4Choice.of(self, int4, int4_max_rows) if int4 else None
+            int4_max_rows = int4_rows_for(dtype)
+        choice = Int4Choice.of(self, int4, int4_max_rows, dtype) if int4 else None
         self.model.freeze(choice)
         # Tied: the embedding keeps its plain matrix for lookups, the logits get their own (packed) copy.
         head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head

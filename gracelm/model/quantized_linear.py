@@ -49,6 +49,8 @@ GROUP_SIZE = 32
 INT4_MAX_ROWS = 8
 # The same against float32 MKL, for a float32 model on a CPU whose bfloat16 is emulated (`int4_rows_for`).
 INT4_MAX_ROWS_FLOAT32 = 32
+# An 8-bit matrix's two 4-bit halves in a bfloat16 model: at most this many rows (`halves_rows_for`).
+HALVES_MAX_ROWS = 2
 # The kernel needs whole multiples of 16 rows; a weight of another height is padded with zero rows.
 _ROW_MULTIPLE = 16
 # Rows per block of the packed layout at most (AVX-512): stacked parts other than the last must fill blocks.
@@ -130,12 +132,19 @@ class Int4Gate:
     the dense weights however few they are, so a prompt gets the same logits whether the prefix cache
     served its head (leaving a short tail to compute) or not: a seeded request run twice answers alike."""
 
-    def __init__(self, max_rows: int) -> None:
+    def __init__(self, max_rows: int, halves_max_rows: int | None = None) -> None:
         self.max_rows = max_rows
+        self.halves_max_rows = halves_max_rows  # a tighter bound for 8-bit halves, if any (`halves_rows_for`)
         self.prompt_step = False
 
-    def admits(self, rows: int) -> bool:
-        return self.max_rows == sys.maxsize or (rows <= self.max_rows and not self.prompt_step)
+    def bound(self, halves: bool) -> int:
+        """The most rows a form admits; `halves`: it is an 8-bit matrix's two 4-bit halves."""
+        if self.max_rows == sys.maxsize or not halves or self.halves_max_rows is None:
+            return self.max_rows
+        return min(self.max_rows, self.halves_max_rows)
+
+    def admits(self, rows: int, halves: bool = False) -> bool:
+        return self.max_rows == sys.maxsize or (rows <= self.bound(halves) and not self.prompt_step)
 
 
 @dataclass(frozen=True)
@@ -147,11 +156,13 @@ class Int4Choice:
     gate: Int4Gate
 
     @classmethod
-    def of(cls, model: nn.Module, by_name: Mapping[str, Int4Linear], max_rows: int) -> Int4Choice:
-        """From the 4-bit forms of `model`'s weights by name (`<module name>.weight`)."""
+    def of(cls, model: nn.Module, by_name: Mapping[str, Int4Linear], max_rows: int, dtype: torch.dtype
+           ) -> Int4Choice:
+        """From the 4-bit forms of `model`'s weights by name (`<module name>.weight`), for a model of
+        `dtype`."""
         forms = {module: by_name[f"{name}.weight"] for name, module in model.named_modules()
                  if f"{name}.weight" in by_name}
-        return cls(forms, Int4Gate(max_rows))
+        return cls(forms, Int4Gate(max_rows, halves_rows_for(dtype)))
 
     def stacked(self, modules: list[nn.Module]) -> Int4Linear | None:
         """The modules' weights stacked by rows, in 4 bits; None unless each has a 4-bit form (and the forms
@@ -176,6 +187,16 @@ def int4_rows_for(dtype: torch.dtype) -> int:
     with dense float32 weights: 2.2 at 1 row, 3.0 at 4, 1.9 at 8, 1.3-1.4 at 16, 1.08 at 24, 1.05 at 32,
     0.91 at 48, 0.72 at 64: float32 reads twice bfloat16's bytes, so the crossover lies further out."""
     return INT4_MAX_ROWS_FLOAT32 if dtype == torch.float32 else INT4_MAX_ROWS
+
+
+def halves_rows_for(dtype: torch.dtype) -> int | None:
+    """The rows up to which an 8-bit matrix's halves (`input_copies` 2: twice a 4-bit matrix's work) serve a
+    model of `dtype`, where tighter than its other forms'. Against bfloat16 oneDNN, which streams a large
+    matrix near the machine's bandwidth, the default model's logits head as halves made whole decode steps
+    (context 256, 2 threads, a Zen 5) 2-5 % faster at 1 and 2 rows, no faster at 3, and 5 % slower at 4, 16 %
+    at 8. Against float32 MKL, which reads four bytes a weight, they win as every form does (the same head on
+    an AVX2 Zen 3: 5.8 ms against 18.8 at 1 row, 20.3 against 45.3 at 8): None."""
+    return HALVES_MAX_ROWS if dtype == KERNEL_DTYPE else None
 
 
 @functools.cache
