@@ -29,7 +29,8 @@ int4 form at every batch size, and with the dispatch the engine uses (int4 up to
 `quantized_linear.int4_rows_for` rows), the three alternating within each repetition; read the ratios to
 dense, which is where the crossover is.
 
-`--llama-bench` is a mode of its own: gracelm's batch-1 decode and 512-token prefill per `--dtypes`, beside
+`--llama-bench` is a mode of its own: gracelm's batch-1 decode and 512-token prefill per `--dtypes` (the model
+frozen as the engine runs it, with its compiled decode steps where they apply), beside
 llama.cpp's `llama-bench -m GGUF -t T -p 512 -n 128` on the same file (built by `bench/serve.py
 setup-llama-cpp`), as ratios. llama-bench's tg128 decodes 128 tokens at positions 0 .. 127, so gracelm's
 decode is measured at their mean context, 64 tokens. `--llama-rounds` rounds alternate which side runs first;
@@ -344,14 +345,7 @@ def bench_decode_graph(args: argparse.Namespace) -> list[dict]:
     loaded.freeze()
     if not graph_applies(EngineConfig(), loaded, 1):
         sys.exit("--decode-graph: it does not apply here (the model has no int4 forms)")
-    graphs = []
-    for rows in BATCHES:
-        path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, BLOCK_SIZE, rows))
-        if not path.exists():
-            started = time.perf_counter()
-            compile_graph(loaded.model, BLOCK_SIZE, rows, path)
-            print(f"compiled {path} in {time.perf_counter() - started:.0f} s")
-        graphs.append(DecodeGraph.load(path, rows, BLOCK_SIZE))
+    graphs = decode_graphs(loaded)
     decoder, results = loaded.model.model, []
     for batch in args.batches:
         for context in args.contexts:
@@ -367,6 +361,20 @@ def bench_decode_graph(args: argparse.Namespace) -> list[dict]:
                             "max_logit_diff": float((eager - compiled).abs().max()),
                             "bit_equal": bool(torch.equal(eager, compiled))})
     return results
+
+
+def decode_graphs(loaded: LoadedModel) -> list[DecodeGraph]:
+    """The engine's compiled decode steps of the frozen `loaded`, from gracelm's cache, compiled here and kept
+    there when missing."""
+    graphs = []
+    for rows in BATCHES:
+        path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, BLOCK_SIZE, rows))
+        if not path.exists():
+            started = time.perf_counter()
+            compile_graph(loaded.model, BLOCK_SIZE, rows, path)
+            print(f"compiled {path} in {time.perf_counter() - started:.0f} s")
+        graphs.append(DecodeGraph.load(path, rows, BLOCK_SIZE))
+    return graphs
 
 
 def format_decode_graph_table(rows: list[dict]) -> str:
@@ -439,9 +447,11 @@ def compare_with_llama_bench(args: argparse.Namespace) -> list[dict]:
     if not args.llama_bench.exists():
         raise SystemExit(f"no llama-bench at {args.llama_bench}; run `bench/serve.py setup-llama-cpp` first")
     models = {}
-    for dtype in args.dtypes:
+    for dtype in args.dtypes:  # as the engine runs it: int4 forms and compiled decode steps where they apply
         models[dtype] = load_model(None, dtype=dtype)
-        models[dtype].model.freeze()
+        models[dtype].freeze()
+        if graph_applies(EngineConfig(), models[dtype], 1):
+            models[dtype].model.model.decode_graphs = decode_graphs(models[dtype])
     ours: list[dict[str, dict[str, float]]] = []
     theirs: list[dict[str, float]] = []
     for round_ in range(args.llama_rounds):
