@@ -128,3 +128,11 @@ def test_the_layers_attend_decode_tokens_with_the_kernel_and_the_unfused_path_ag
 def test_batch_invariant_mode_keeps_its_own_decode_path() -> None:
     meta, _, _ = decode_step(batch_invariant=True)
     assert not any(group.fused for group in meta.groups)
+
+
+def test_the_log_says_how_decode_tokens_are_attended() -> None:
+    cache = torch.zeros(2, 1, 1, 16, 64, dtype=torch.bfloat16)
+    assert decode_attention.describe(cache, batch_invariant=False) == "fused CPU kernel (gracelm._kernels)"
+    assert decode_attention.describe(cache, batch_invariant=True).startswith("unfused (deterministic")
+    half = decode_attention.describe(cache.half(), batch_invariant=False)
+    assert half == "unfused (torch.float16 cache on cpu)"

@@ -311,7 +311,7 @@ def assert_same_forms(forms: dict[str, Int4Linear], expected: dict[str, Int4Line
 
 def test_an_engine_logs_its_linear_kernels(tmp_path: Path, capfd: pytest.CaptureFixture,
                                            caplog: pytest.LogCaptureFixture) -> None:
-    """From `--quantization` (here `Engine(quantization=...)`) to the core's log."""
+    """From `--quantization` (here `Engine(quantization=...)`) to the core's log; and its attention's."""
     path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1)
     caplog.set_level(logging.INFO)  # the core logs at its parent's level
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -323,6 +323,7 @@ def test_an_engine_logs_its_linear_kernels(tmp_path: Path, capfd: pytest.Capture
         assert len(out[0].outputs[0].token_ids) == 4
         log = capfd.readouterr().err
         assert f"rank 0 linear kernels: {kernels}" in log, log[-2000:]
+        assert "rank 0 decode attention: fused CPU kernel (gracelm._kernels)" in log, log[-2000:]
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at"]

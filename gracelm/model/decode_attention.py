@@ -48,6 +48,16 @@ def applies(kv_cache: torch.Tensor) -> bool:
     return LOADED and kv_cache.device.type == "cpu" and kv_cache.dtype in DTYPES
 
 
+def describe(kv_cache: torch.Tensor, batch_invariant: bool) -> str:
+    """How decode tokens over `kv_cache` are attended, for the log."""
+    if batch_invariant:
+        return "unfused (deterministic mode's own computation)"
+    if applies(kv_cache):
+        return "fused CPU kernel (gracelm._kernels)"
+    why = "gracelm._kernels is not built" if not LOADED else f"{kv_cache.dtype} cache on {kv_cache.device}"
+    return f"unfused ({why})"
+
+
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, heads, head_dim] (one decode token per sequence, the cache's dtype) attends the first

@@ -33,6 +33,7 @@ import torch
 
 from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.lifecycle.test_hooks import active_test_hooks
+from gracelm.model import decode_attention
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
 from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.device import resolve_device
@@ -133,6 +134,9 @@ class Worker:
         self.num_kv_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
                                            self.loaded.dtype, self.device)
+        if self.kv_caches:
+            logger.info("rank %d decode attention: %s", self.rank,
+                        decode_attention.describe(self.kv_caches[0], self.config.deterministic))
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
