@@ -160,7 +160,7 @@ def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], kv_ca
     group = _query_group(batch.block_tables.index_select(0, index), seq_lens[:, None], rows, kv_cache,
                          batch_invariant)
     group.lengths = seq_lens
-    group.fused = not batch_invariant and decode_attention.applies(kv_cache)
+    group.fused = decode_attention.applies(kv_cache, batch_invariant)
     return group
 
 

@@ -43,17 +43,18 @@ if LOADED:
         return q.new_empty(q.shape, dtype=torch.float32)
 
 
-def applies(kv_cache: torch.Tensor) -> bool:
-    """Whether decode tokens over `kv_cache` (a layer's) are attended by the fused kernel."""
-    return LOADED and kv_cache.device.type == "cpu" and kv_cache.dtype in DTYPES
+def applies(kv_cache: torch.Tensor, batch_invariant: bool = False) -> bool:
+    """Whether decode tokens over `kv_cache` (a layer's) are attended by the fused kernel: not in
+    batch-invariant mode, which keeps its own row-invariant computation."""
+    return LOADED and not batch_invariant and kv_cache.device.type == "cpu" and kv_cache.dtype in DTYPES
 
 
 def describe(kv_cache: torch.Tensor, batch_invariant: bool) -> str:
     """How decode tokens over `kv_cache` are attended, for the log."""
+    if applies(kv_cache, batch_invariant):
+        return "fused CPU kernel (gracelm._kernels)"
     if batch_invariant:
         return "unfused (deterministic mode's own computation)"
-    if applies(kv_cache):
-        return "fused CPU kernel (gracelm._kernels)"
     why = "gracelm._kernels is not built" if not LOADED else f"{kv_cache.dtype} cache on {kv_cache.device}"
     return f"unfused ({why})"
 
