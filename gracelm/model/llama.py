@@ -105,7 +105,7 @@ class FrozenLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T + bias, one kernel call: the 4-bit form's where the gate admits it, else the dense."""
-        if self.int4 is not None and self.int4_gate.admits(x.shape[0], self.int4.input_copies > 1):
+        if self.int4 is not None and self.int4_gate.admits(x.shape[0], self.int4.halves):
             out = self.int4(x)
             return out if self.bias is None else out + self.bias
         if self.packed is None:
@@ -146,10 +146,10 @@ def describe_linear_kernels(module: nn.Module) -> str:
     scales = str(with_int4[0].int4.scales_zeros.dtype).removeprefix("torch.")
 
     def rows(halves: bool) -> str:
-        forms = [m for m in with_int4 if not halves or m.int4.input_copies > 1]
+        forms = [m for m in with_int4 if not halves or m.int4.halves]
         return "/".join(map(str, sorted({m.int4_gate.bound(halves) for m in forms})))
 
-    halves = any(m.int4.input_copies > 1 for m in with_int4) and rows(True) != rows(False)
+    halves = any(m.int4.halves for m in with_int4) and rows(True) != rows(False)
     halves_rows = f" (8-bit matrices as 4-bit halves: <= {rows(True)})" if halves else ""
     return (f"int4 (group {GROUP_SIZE}, {scales} scales) for decode steps of <= {rows(False)} rows"
             f"{halves_rows}, {dense} above and for prompts, for {len(with_int4)} of {len(linears)} matmuls; "

@@ -111,6 +111,11 @@ class Int4Linear(nn.Module):
         return Int4Linear(torch.cat([p.packed for p in parts]), torch.cat([p.scales_zeros for p in parts], 1),
                           sum(p.rows for p in parts), parts[0].input_copies)
 
+    @property
+    def halves(self) -> bool:
+        """Whether this is an 8-bit matrix as two 4-bit halves (twice a 4-bit matrix's work per call)."""
+        return self.input_copies > 1
+
     def to_dtype(self, dtype: torch.dtype) -> Int4Linear:
         """With scales and zeros in `dtype`, the dtype of the activations it will multiply."""
         return Int4Linear(self.packed, self.scales_zeros.to(dtype), self.rows, self.input_copies)
@@ -190,12 +195,12 @@ def int4_rows_for(dtype: torch.dtype) -> int:
 
 
 def halves_rows_for(dtype: torch.dtype) -> int | None:
-    """The rows up to which an 8-bit matrix's halves (`input_copies` 2: twice a 4-bit matrix's work) serve a
-    model of `dtype`, where tighter than its other forms'. Against bfloat16 oneDNN, which streams a large
-    matrix near the machine's bandwidth, the default model's logits head as halves made whole decode steps
-    (context 256, 2 threads, a Zen 5) 2-5 % faster at 1 and 2 rows, no faster at 3, and 5 % slower at 4, 16 %
-    at 8. Against float32 MKL, which reads four bytes a weight, they win as every form does (the same head on
-    an AVX2 Zen 3: 5.8 ms against 18.8 at 1 row, 20.3 against 45.3 at 8): None."""
+    """The rows up to which an 8-bit matrix's halves (`Int4Linear.halves`: twice a 4-bit matrix's work)
+    serve a model of `dtype`, where tighter than its other forms'. Against bfloat16 oneDNN, which streams a
+    large matrix near the machine's bandwidth, the default model's logits head as halves made whole decode
+    steps (context 256, 2 threads, a Zen 5) 2-5 % faster at 1 and 2 rows, no faster at 3, and 5 % slower at
+    4, 16 % at 8. Against float32 MKL, which reads four bytes a weight, they win as every form does (the same
+    head on an AVX2 Zen 3: 5.8 ms against 18.8 at 1 row, 20.3 against 45.3 at 8): None."""
     return HALVES_MAX_ROWS if dtype == KERNEL_DTYPE else None
 
 
