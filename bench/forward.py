@@ -24,10 +24,11 @@ one (`gracelm/model/decode_graph.py`; its packages from gracelm's cache, compile
 missing), alternating, at each of `--contexts`, and says how far apart their logits are.
 
 `--int4` compares the linear kernels instead, on the same frozen model in the engine's dtype (bfloat16, or
-float32 on a CPU that emulates bfloat16): decode steps with dense weights at every batch size, with the
-int4 form at every batch size, and with the dispatch the engine uses (int4 up to
-`quantized_linear.int4_rows_for` rows), the three alternating within each repetition; read the ratios to
-dense, which is where the crossover is.
+float32 on a CPU that emulates bfloat16) with the low-bit forms `--quantization` asks for (auto: the
+8-bit-activation kernel of the file's blocks where the CPU has AVX-512 VNNI, else torch's int4 kernel):
+decode steps with dense weights at every batch size, with the low-bit form at every batch size, and with
+the dispatch the engine uses (`quantized_linear.rows_for`), the three alternating within each repetition;
+read the ratios to dense, which is where the crossover is.
 
 `--llama-bench` is a mode of its own: gracelm's batch-1 decode and 512-token prefill per `--dtypes` (the model
 frozen as the engine runs it, with its compiled decode steps where they apply), beside
@@ -55,13 +56,12 @@ import torch
 
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.model.attention import allocate_kv_cache
-from gracelm.model.decode_graph import BATCHES, DecodeGraph, compile_graph, graph_key, graph_path
+from gracelm.model.decode_graph import DecodeGraph, compile_graph, graph_batches, graph_key, graph_path
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.llama import FrozenLinear, describe_linear_kernels, set_int4_max_rows
+from gracelm.model.llama import FrozenLinear, describe_linear_kernels, low_bit_layout, set_int4_max_rows
 from gracelm.model.loader import DTYPES, LoadedModel, load_model
 from gracelm.model.model_files import default_model_path
-from gracelm.model.quantized_linear import int4_rows_for
 from gracelm.parallel.decode_graph_build import graph_applies
 
 BLOCK_SIZE = 16
@@ -316,12 +316,13 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
 
 def bench_kernels(args: argparse.Namespace) -> tuple[list[KernelRow], int]:
     """The rows, and the dispatch's int4 rows."""
-    loaded = load_model(None)  # the engine's dtype: bfloat16, or float32 where bfloat16 is emulated
+    # The engine's dtype: bfloat16, or float32 where bfloat16 is emulated.
+    loaded = load_model(None, quantization=args.quantization)
     if not loaded.int4:
-        sys.exit("--int4: the default model has no int4 form here (`quantized_linear.int4_serves`)")
+        sys.exit("--int4: the default model has no low-bit form here (`quantized_linear.int4_serves`)")
     loaded.freeze()
     print(f"model in {loaded.dtype}, linear kernels: {describe_linear_kernels(loaded.model)}")
-    dispatch = int4_rows_for(loaded.dtype)
+    dispatch = loaded.model.model.int4_gate.max_rows
     choices = [dispatch if n is None else n for n in KERNEL_CHOICES.values()]
     rows = []
     for batch in args.batches:
@@ -367,8 +368,9 @@ def decode_graphs(loaded: LoadedModel) -> list[DecodeGraph]:
     """The engine's compiled decode steps of the frozen `loaded`, from gracelm's cache, compiled here and kept
     there when missing."""
     graphs = []
-    for rows in BATCHES:
-        path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, BLOCK_SIZE, rows))
+    layout = low_bit_layout(loaded.model)
+    for rows in graph_batches(loaded.model):
+        path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, BLOCK_SIZE, rows, layout))
         if not path.exists():
             started = time.perf_counter()
             compile_graph(loaded.model, BLOCK_SIZE, rows, path)
@@ -499,6 +501,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--int4", action="store_true",
                    help="compare decode with dense, int4 and the dispatch (default batches "
                         "1,2,4,8,16,32)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "blocks", "int4"],
+                   help="--int4's low-bit form (see gracelm serve --help)")
     p.add_argument("--decode-graph", action="store_true",
                    help="one sequence's decode step, eager vs the compiled graph, at --contexts")
     p.add_argument("--contexts", default="40,256,600,1000", help="with --decode-graph: contexts (<= 1024)")

@@ -118,7 +118,7 @@ def _size(value: str | int | None) -> str | None:
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # "auto": a GGUF file's 4-bit blocks (Q4_0, Q4_1) also serve, as they are, steps of few rows through the int4
 # kernel where the model runs in bfloat16; "none": dense weights for every step.
-QUANTIZATION_CHOICES = ("auto", "none")
+QUANTIZATION_CHOICES = ("auto", "blocks", "int4", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
@@ -132,10 +132,13 @@ class EngineConfig:
     dtype: str = option("auto", "weights and activations dtype (auto: the checkpoint's precision; half "
                                 "precision as bfloat16 where the device computes it natively)",
                         choices=DTYPE_CHOICES)
-    quantization: str = option("auto", "low-bit weight kernels: auto (a GGUF file's 4-bit blocks serve "
-                                       "decode steps of few sequences on the CPU in bfloat16, or in "
-                                       "float32 chosen by --dtype auto; dense weights the rest), none "
-                                       "(dense weights only)",
+    quantization: str = option("auto", "low-bit weight kernels for a GGUF file's 4- and 8-bit blocks, "
+                                       "which serve decode steps on the CPU in bfloat16, or in float32 "
+                                       "chosen by --dtype auto (dense weights the rest): blocks (the "
+                                       "file's blocks times activations rounded to 8 bits, AVX-512 VNNI, "
+                                       "up to 128 sequences), int4 (torch's int4 kernel, bfloat16 "
+                                       "activations, up to 8), auto (blocks where the CPU has VNNI, else "
+                                       "int4), none (dense weights only)",
                                choices=QUANTIZATION_CHOICES)
     device: str = option("auto", "where the model, KV cache and sampler run (auto: cuda when torch sees a "
                                  "GPU and tensor_parallel_size is 1, else cpu)", choices=DEVICE_CHOICES)

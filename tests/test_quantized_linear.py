@@ -1,11 +1,13 @@
-"""4-bit weights for steps of few rows (`model/quantized_linear.py`, `model/gguf_int4.py`): GGUF's Q4_0 and
-Q4_1 blocks read into the int4 kernel's form hold gguf's own dequantized values exactly; the kernel's matmul
-equals the dequantized one up to float32 rounding with float32 scales, and stays within the rounding of
-bfloat16 scales as served, each row computed as if alone; `FrozenLinear` picks the kernel by the number of
-rows (seen in the profiler) and can be forced to one; the form is cached; a 4-bit GGUF model serves few
-rows through it, in bfloat16 and in float32 chosen by `--dtype auto` (an engine says so in its log); a
-float32 asked for and `--quantization none` keep dense weights; on the default model the greedy tokens
-agree with the dense path where the dense logits do not nearly tie."""
+"""Low-bit weights for decode steps (`model/quantized_linear.py`, `model/gguf_int4.py`): GGUF's Q4_0 and
+Q4_1 blocks read into torch's int4 kernel's form hold gguf's own dequantized values exactly; the kernel's
+matmul equals the dequantized one up to float32 rounding with float32 scales, and stays within the
+rounding of bfloat16 scales as served, each row computed as if alone; `FrozenLinear` picks the kernel by the
+number of rows (seen in the profiler) and can be forced to one. For both low-bit forms (`FORMS`: torch's
+int4 kernel, and the blocks' 8-bit-activation kernel of `model/block_linear.py`, whose own matmul
+tests are in test_block_linear.py): the form is cached; a 4-bit GGUF model serves decode steps through it,
+in bfloat16 and in float32 chosen by `--dtype auto` (an engine says so in its log), prompts through the dense
+weights; a float32 asked for and `--quantization none` keep dense weights; on the default model the greedy
+tokens agree with the dense path where the dense logits do not nearly tie."""
 
 from __future__ import annotations
 
@@ -21,9 +23,12 @@ from gguf import GGMLQuantizationType as Q
 
 from gracelm import Engine, SamplingParams
 from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
+from gracelm.model.block_linear import BlockLinear
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.gguf_int4 import input_copies, int4_blocks
+from gracelm.model.kernel_library import LOADED
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.model_files import ModelLoadError
@@ -32,14 +37,21 @@ from gracelm.model.quantized_linear import (
     HALVES_MAX_ROWS,
     INT4_MAX_ROWS,
     Int4Linear,
+    LowBitForm,
     int4_rows_for,
-    layout_id,
 )
 from gracelm.model.weight_cache import entry_path
 from tests.test_default_model import greedy_batch
 from tests.test_gguf import VOCAB, gguf_layout, hf_model, write_gguf
 
 INT4_OP = "aten::_weight_int4pack_mm_for_cpu"
+# Each low-bit form (`--quantization`) and the op it runs. The blocks' kernel needs AVX-512 VNNI: skipped on
+# a CPU without it, never where gracelm._kernels is missing (a broken build fails).
+BLOCK_OP = "gracelm::block_matmul"
+FORM_OPS = {"blocks": BLOCK_OP, "int4": INT4_OP}
+no_vnni = pytest.mark.skipif(LOADED and not torch.ops.gracelm.block_matmul_serves(),
+                             reason="this CPU lacks AVX-512 VNNI")
+FORMS = [pytest.param("blocks", marks=no_vnni), "int4"]
 # (rows, columns): rows that fill the kernel's 64-row blocks, rows it pads (to 16) and rows it does not.
 SHAPES = [(128, 576), (40, 96), (200, 64), (48, 32)]
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]  # across INT4_MAX_ROWS
@@ -198,24 +210,32 @@ def decode_logits(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> tor
     return torch.stack(logits)
 
 
+def description(form: str, dtype: torch.dtype, qtype: Q) -> str:
+    """How the log describes a model's low-bit form, for decode steps of how many rows."""
+    if form == "blocks":
+        return ("the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels) for decode steps of "
+                f"<= {BLOCK_MAX_ROWS} rows")
+    halves = qtype == Q.Q8_0 and dtype == torch.bfloat16
+    return (f"int4 (group 32, bfloat16 scales) for decode steps of <= {int4_rows_for(dtype)} rows"
+            f"{f' (8-bit matrices as 4-bit halves: <= {HALVES_MAX_ROWS})' if halves else ''}")
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
-def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Path, qtype: Q,
-                                                                   dtype: str) -> None:
+def test_a_4bit_gguf_model_serves_decode_steps_through_its_low_bit_form(tmp_path: Path, qtype: Q,
+                                                                        dtype: str, form: str) -> None:
     """In bfloat16, and in what `--dtype auto` gives (float32 where bfloat16 is emulated: the int4 calls
     then round the activations to bfloat16)."""
     path = tiny_gguf(tmp_path / "m.gguf", qtype)
-    loaded = load_model(path, dtype=dtype)
+    loaded = load_model(path, dtype=dtype, quantization=form)
     assert loaded.dtype == (torch.bfloat16 if dtype == "bfloat16" else SERVED_DTYPE)
     assert set(loaded.int4) == {name for name, t in loaded.model.state_dict().items() if t.dim() == 2}
     loaded.freeze()
     assert not loaded.int4  # handed over
     dense_kernel = DENSE_BF16 if loaded.dtype == torch.bfloat16 else "float32 F.linear"
-    halves = qtype == Q.Q8_0 and loaded.dtype == torch.bfloat16
     assert describe_linear_kernels(loaded.model).startswith(
-        f"int4 (group 32, bfloat16 scales) for decode steps of <= {int4_rows_for(loaded.dtype)} rows"
-        f"{f' (8-bit matrices as 4-bit halves: <= {HALVES_MAX_ROWS})' if halves else ''}, "
-        f"{dense_kernel} "
+        f"{description(form, loaded.dtype, qtype)}, {dense_kernel} "
         f"above and for prompts, for "
         f"{2 * 4 + 1} of {2 * 4 + 1} matmuls")
     dense = load_model(path, dtype="bfloat16", quantization="none")
@@ -227,22 +247,23 @@ def test_a_4bit_gguf_model_serves_few_rows_through_the_int4_kernel(tmp_path: Pat
     reference = decode_logits(exact.model, 2, torch.float32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         ours = decode_logits(loaded.model, 2, loaded.dtype)
-    assert INT4_OP in {event.key for event in profile.key_averages()}
+    assert FORM_OPS[form] in {event.key for event in profile.key_averages()}
     dense_error = (decode_logits(dense.model, 2, torch.bfloat16) - reference).abs().max()
-    int4_error = (ours - reference).abs().max()
+    low_bit_error = (ours - reference).abs().max()
     assert reference.abs().max() > 1.0  # far from zero, so that a wrong weight would show
-    # Against the file's values in float32, the int4 path errs about as the dense bfloat16 path does.
-    assert int4_error <= 3 * dense_error, (int4_error, dense_error)
+    # Against the file's values in float32, the low-bit path errs about as the dense bfloat16 path does.
+    assert low_bit_error <= 3 * dense_error, (low_bit_error, dense_error)
 
 
-def test_prompt_rows_take_the_dense_weights_however_few(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_prompt_rows_take_the_dense_weights_however_few(tmp_path: Path, form: str) -> None:
     """A prompt's tail of 2 rows (what is left when the prefix cache served its head) runs dense, as the
-    whole prompt does; a decode step of 2 rows runs int4."""
-    loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16")
+    whole prompt does; a decode step of 2 rows runs the low-bit form."""
+    loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16", quantization=form)
     loaded.freeze()
-    assert INT4_OP not in kernels_of_step(loaded, [4], 0)  # a prompt's head
-    assert INT4_OP not in kernels_of_step(loaded, [2], 4)  # its tail: 2 rows, still a prompt's
-    assert INT4_OP in kernels_of_step(loaded, [1, 1], 6)  # two decode tokens
+    assert FORM_OPS[form] not in kernels_of_step(loaded, [4], 0)  # a prompt's head
+    assert FORM_OPS[form] not in kernels_of_step(loaded, [2], 4)  # its tail: 2 rows, still a prompt's
+    assert FORM_OPS[form] in kernels_of_step(loaded, [1, 1], 6)  # two decode tokens
 
 
 def kernels_of_step(loaded: LoadedModel, query_lens: list[int], start: int) -> set[str]:
@@ -265,13 +286,25 @@ def test_8bit_halves_serve_bfloat16_steps_of_few_rows_only(tmp_path: Path) -> No
     """A Q8_0 matrix's halves take twice a 4-bit matrix's work: in bfloat16 they serve steps of at most
     HALVES_MAX_ROWS rows (`quantized_linear.halves_rows_for`), where a 4-bit model's forms serve up to
     INT4_MAX_ROWS."""
-    eight_bit = load_model(tiny_gguf(tmp_path / "q8.gguf", Q.Q8_0), dtype="bfloat16")
+    eight_bit = load_model(tiny_gguf(tmp_path / "q8.gguf", Q.Q8_0), dtype="bfloat16", quantization="int4")
     eight_bit.freeze()
     assert INT4_OP in kernels_of_step(eight_bit, [1] * HALVES_MAX_ROWS, 6)
     assert INT4_OP not in kernels_of_step(eight_bit, [1] * (HALVES_MAX_ROWS + 1), 6)
-    four_bit = load_model(tiny_gguf(tmp_path / "q4.gguf", Q.Q4_1), dtype="bfloat16")
+    four_bit = load_model(tiny_gguf(tmp_path / "q4.gguf", Q.Q4_1), dtype="bfloat16", quantization="int4")
     four_bit.freeze()
     assert INT4_OP in kernels_of_step(four_bit, [1] * INT4_MAX_ROWS, 6)
+
+
+@no_vnni
+def test_the_blocks_serve_decode_steps_of_up_to_their_bound_8bit_ones_too(tmp_path: Path) -> None:
+    """The blocks' kernel multiplies Q8_0 blocks as they are (no halves): 4- and 8-bit matrices alike serve
+    decode steps of up to `block_linear.MAX_ROWS` rows, and no more."""
+    for qtype in (Q.Q8_0, Q.Q4_1):
+        loaded = load_model(tiny_gguf(tmp_path / f"{qtype.name}.gguf", qtype), dtype="bfloat16",
+                            quantization="blocks")
+        loaded.freeze()
+        assert BLOCK_OP in kernels_of_step(loaded, [1] * BLOCK_MAX_ROWS, 6)
+        assert BLOCK_OP not in kernels_of_step(loaded, [1] * (BLOCK_MAX_ROWS + 1), 6)
 
 
 def test_float32_asked_and_none_keep_dense_weights(tmp_path: Path) -> None:
@@ -280,33 +313,37 @@ def test_float32_asked_and_none_keep_dense_weights(tmp_path: Path) -> None:
     assert not loaded.int4
     loaded.freeze()
     assert describe_linear_kernels(loaded.model) == "float32 F.linear at every batch size (9 matmuls)"
-    with pytest.raises(ModelLoadError, match="unsupported quantization 'awq'; choose auto, none"):
+    with pytest.raises(ModelLoadError, match="quantization 'awq'; choose auto, blocks, int4, none"):
         load_model(path, quantization="awq")
 
 
-def test_the_int4_form_is_cached_and_a_damaged_entry_rebuilt(tmp_path: Path,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_the_low_bit_form_is_cached_and_a_damaged_entry_rebuilt(tmp_path: Path, form: str,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1, seed=11)  # a file of its own: a cold cache
-    entry = entry_path(content_hash(path), f"int4-{layout_id()}")
+    layout = {"blocks": BlockLinear, "int4": Int4Linear}[form].layout()
+    entry = entry_path(content_hash(path), layout)
     assert not entry.exists()
-    cold = load_model(path, dtype="bfloat16").int4
+    cold = load_model(path, dtype="bfloat16", quantization=form).int4
     assert entry.is_file()
-    assert_same_forms(load_model(path, dtype="bfloat16").int4, cold)  # a hit, mapped from the entry
+    # a hit, mapped from the entry
+    assert_same_forms(load_model(path, dtype="bfloat16", quantization=form).int4, cold)
     data = entry.read_bytes()
     entry.write_bytes(data[: len(data) // 2])  # no mapping of it is left: touching one now would fault
     with caplog.at_level(logging.WARNING, logger="gracelm.model.weight_cache"):
-        rebuilt = load_model(path, dtype="bfloat16").int4
+        rebuilt = load_model(path, dtype="bfloat16", quantization=form).int4
     assert f"converted-weights cache entry {entry} is unreadable" in caplog.text
     assert entry.read_bytes() == data
     assert_same_forms(rebuilt, cold)
 
 
-def assert_same_forms(forms: dict[str, Int4Linear], expected: dict[str, Int4Linear]) -> None:
+def assert_same_forms(forms: dict[str, LowBitForm], expected: dict[str, LowBitForm]) -> None:
     assert forms.keys() == expected.keys()
     for name, form in expected.items():
-        assert forms[name].rows == form.rows
-        assert torch.equal(forms[name].packed, form.packed)
-        assert torch.equal(forms[name].scales_zeros, form.scales_zeros)
+        assert type(forms[name]) is type(form) and forms[name].rows == form.rows
+        assert forms[name].tensors().keys() == form.tensors().keys()
+        for part, tensor in form.tensors().items():
+            assert torch.equal(forms[name].tensors()[part], tensor)
 
 
 def test_an_engine_logs_its_linear_kernels(tmp_path: Path, capfd: pytest.CaptureFixture,
@@ -315,7 +352,9 @@ def test_an_engine_logs_its_linear_kernels(tmp_path: Path, capfd: pytest.Capture
     path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1)
     caplog.set_level(logging.INFO)  # the core logs at its parent's level
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for quantization, kernels in (("auto", "int4 (group 32, bfloat16 scales)"),
+    auto = "the file's blocks x 8-bit activations" if LOADED and torch.ops.gracelm.block_matmul_serves() \
+        else "int4 (group 32, bfloat16 scales)"
+    for quantization, kernels in (("auto", auto), ("int4", "int4 (group 32, bfloat16 scales)"),
                                   ("none", f"{DENSE_BF16} at every batch size")):
         with Engine(str(path), dtype="bfloat16", quantization=quantization, num_threads=1,
                     kv_cache_memory="4MiB") as engine:
@@ -352,19 +391,21 @@ def forced_logits(loaded: LoadedModel, tokens: list[int], prompt_length: int) ->
 @pytest.mark.timeout(600)
 def test_default_model_greedy_tokens_agree_with_the_dense_path() -> None:
     """In the dtype `--dtype auto` gives (bfloat16, or float32 where bfloat16 is emulated), teacher-forced on
-    the dense path's own greedy continuations (so that one flip does not derail the rest): the int4 path's
-    top token is the dense one's at least 90 % of the time (measured in bfloat16: 236 of 240 over 6
-    prompts, 40 tokens each), and it differs only where the dense logits nearly tie (within 0.22
-    measured; 1.0 allowed)."""
+    the dense path's own greedy continuations (so that one flip does not derail the rest): the low-bit
+    path's (`--quantization auto`: the blocks' kernel where the CPU has VNNI) top token is the dense one's
+    at least 90 % of the time (measured in bfloat16 over 6 prompts, 40 tokens each: 230 of 240 with the
+    blocks' kernel, within 0.5; 232-236 with torch's int4 kernel, within 0.25), and it differs only where
+    the dense logits nearly tie (1.0 allowed)."""
     loaded = load_model(None)
     loaded.freeze()
+    low_bit_rows = loaded.model.model.int4_gate.max_rows
     agree, total = 0, 0
     for prompt in PROMPTS:
         ids = loaded.tokenizer.encode(prompt)
         set_int4_max_rows(loaded.model, 0)
         tokens = ids + greedy_batch(loaded, [ids], 24)[0]
         dense = forced_logits(loaded, tokens, len(ids))
-        set_int4_max_rows(loaded.model, int4_rows_for(loaded.dtype))
+        set_int4_max_rows(loaded.model, low_bit_rows)
         int4 = forced_logits(loaded, tokens, len(ids))
         dense_top, int4_top = dense.argmax(-1), int4.argmax(-1)
         agree += int((dense_top == int4_top).sum())
@@ -378,6 +419,6 @@ def test_default_model_greedy_tokens_agree_with_the_dense_path() -> None:
 def test_a_bad_quantization_is_refused_by_name() -> None:
     from gracelm.config import EngineConfig
 
-    with pytest.raises(ValueError, match="quantization must be one of auto, none, got 'awq'"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, blocks, int4, none, got 'awq'"):
         EngineConfig(quantization="awq")
 

@@ -12,29 +12,11 @@ values) where it applies (`applies`); why a hand-written kernel: docs/architectu
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-
 import torch
 
-logger = logging.getLogger(__name__)
+from gracelm.model.kernel_library import LOADED
 
 DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _load() -> bool:
-    """Loads the compiled library once; False (and a warning naming what is missing) where the package was
-    installed without it: decode attention then takes the unfused path."""
-    spec = importlib.util.find_spec("gracelm._kernels")
-    if spec is None or spec.origin is None:
-        logger.warning("gracelm._kernels is not built (install with `pip install --no-build-isolation -e .`, "
-                       "as scripts/bootstrap.sh does): decode attention runs unfused")
-        return False
-    torch.ops.load_library(spec.origin)
-    return True
-
-
-LOADED = _load()
 
 if LOADED:
     @torch.library.register_fake("gracelm::paged_decode_attention")

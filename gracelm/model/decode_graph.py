@@ -53,7 +53,6 @@ from gracelm.model import decode_attention
 from gracelm.model.attention import AttentionMetadata, QueryGroup, allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.kv_snapshot import pid_alive
-from gracelm.model.quantized_linear import INT4_MAX_ROWS, layout_id
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +60,10 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 # Contexts up to this many tokens run compiled (see above).
 MAX_CONTEXT = 1024
-# The graphs built, by the sequences of their steps: one (static shapes), and 2 to 8 (the int4 kernel's
-# range in bfloat16, `quantized_linear.INT4_MAX_ROWS`; a float32 model's larger steps run eagerly).
-BATCHES = (range(1, 2), range(2, INT4_MAX_ROWS + 1))
+# Steps of more sequences than this run eagerly (the engine's default max_num_seqs).
+MAX_ROWS = 64
 # Packages kept in the cache folder, most recently used first: the graphs of two models.
-MAX_ENTRIES = 2 * len(BATCHES)
+MAX_ENTRIES = 4
 _FOLDER = "graphs"
 
 
@@ -121,8 +119,17 @@ class DecodeGraph:
                            group.slots, group.lengths, kv_caches)
 
 
-def graph_key(model_hash: str, dtype: torch.dtype, block_size: int, rows: range) -> str:
-    parts = [model_hash, str(dtype), f"block {block_size}", f"int4 layout {layout_id()}", torch.__version__,
+def graph_batches(model: nn.Module) -> tuple[range, ...]:
+    """The graphs built for a frozen `LlamaForCausalLM`, by the sequences of their steps: one (static
+    shapes), and 2 up to the rows its low-bit forms serve (`Int4Gate`; 8 for torch's int4 kernel, and at
+    most `MAX_ROWS`): the graph is traced through them, and larger steps take other kernels."""
+    most = min(model.model.int4_gate.max_rows, MAX_ROWS)
+    return (range(1, 2),) + ((range(2, most + 1),) if most >= 2 else ())
+
+
+def graph_key(model_hash: str, dtype: torch.dtype, block_size: int, rows: range, layout: str) -> str:
+    """`layout`: the model's low-bit forms' (`low_bit_layout`)."""
+    parts = [model_hash, str(dtype), f"block {block_size}", f"low-bit layout {layout}", torch.__version__,
              torch.backends.cpu.get_cpu_capability(), f"max context {MAX_CONTEXT}", f"rows {rows}",
              f"fused attention {decode_attention.LOADED}", f"v{FORMAT_VERSION}"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
@@ -133,8 +140,8 @@ def graph_path(key: str) -> Path:
 
 
 def compile_graph(model: nn.Module, block_size: int, rows: range, path: Path) -> None:
-    """Exports and compiles the decode step of `rows` sequences (one of `BATCHES`) of `model` (a frozen
-    `LlamaForCausalLM` with int4 forms) into the package `path`, written whole or not at all (a temporary
+    """Exports and compiles the decode step of `rows` sequences (one of `graph_batches`) of `model` (a frozen
+    `LlamaForCausalLM` with low-bit forms) into the package `path`, written whole or not at all (a temporary
     file renamed)."""
     decoder = model.model
     example = 1 if len(rows) == 1 else 3

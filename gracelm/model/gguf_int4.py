@@ -1,7 +1,18 @@
-"""GGUF's 4-bit blocks (Q4_0, Q4_1), and its 8-bit ones (Q8_0) as two 4-bit halves, read straight into the
-int4 kernel's form (`model/quantized_linear.py`), value for value: a block is 32 consecutive weights of a
-row, one float16 scale d (and, for Q4_1, a float16 minimum m) and its q: 16 bytes of 4-bit q, the low
-nibbles the block's first 16 weights, the high ones the next 16; or, for Q8_0, 32 signed bytes.
+"""GGUF's 4-bit blocks (Q4_0, Q4_1) and 8-bit ones (Q8_0) read straight into the forms of the kernels that
+multiply them, value for value: a block is 32 consecutive weights of a row, one float16 scale d (and, for
+Q4_1, a float16 minimum m) and its q: 16 bytes of 4-bit q, the low nibbles the block's first 16 weights,
+the high ones the next 16; or, for Q8_0, 32 signed bytes.
+
+For the 8-bit-activation kernel (`model/block_linear.py`, `file_blocks`): w = d·q + m with unsigned q,
+scale and minimum in float16 as the file holds them.
+
+    Q4_0: w = d·(q − 8)          -> scale d, minimum −8d
+    Q4_1: w = d·q + m            -> scale d, minimum m
+    Q8_0: w = d·q = d·(q + 128) − 128d   -> q + 128, scale d, minimum −128d
+
+−8d and −128d are exact in float16 (powers of two) unless they overflow it (`BlockLinear.pack` refuses).
+
+For torch's int4 kernel (`model/quantized_linear.py`, `int4_blocks`), 8-bit blocks as two 4-bit halves:
 
     Q4_0: w = d·(q − 8)          -> scale d, zero 0
     Q4_1: w = d·q + m = d·(q − 8) + (m + 8d)   -> scale d, zero m + 8d
@@ -25,6 +36,8 @@ from gguf import GGMLQuantizationType
 # Bytes before the q in a block: d, or d and m (float16 each).
 _HEADER_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}
 INT4_TYPES = tuple(_HEADER_BYTES)
+# Bits of q by type.
+BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 
 
 def input_copies(ggml_type: GGMLQuantizationType) -> int:
@@ -32,26 +45,40 @@ def input_copies(ggml_type: GGMLQuantizationType) -> int:
     return 2 if ggml_type == GGMLQuantizationType.Q8_0 else 1
 
 
+def file_blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [rows, K] (uint8: 0..15, or 0..255 for Q8_0), float16 scales and minimums [rows, K / 32] of a
+    matrix's blocks, w = scale·q + minimum; `raw` is its stored bytes, [rows, bytes per row]."""
+    header, blocks, rows = _HEADER_BYTES[ggml_type], _blocks(raw, ggml_type), raw.shape[0]
+    d = _float16_field(blocks, 0)
+    if ggml_type == GGMLQuantizationType.Q8_0:
+        q = (blocks[..., header:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(rows, -1)
+        minimums = d * -128
+    else:
+        nibbles = blocks[..., header:]
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(rows, -1)
+        minimums = d * -8 if ggml_type == GGMLQuantizationType.Q4_0 else _float16_field(blocks, 2)
+    return q, d, minimums
+
+
 def int4_blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [rows, K · input_copies] (uint8, 0..15), float32 scales and zeros [rows, K · input_copies / 32] of
     a matrix's blocks; `raw` is its stored bytes, [rows, bytes per row] (`GGUFFile.raw_tensor`)."""
-    header = _HEADER_BYTES[ggml_type]
-    rows = raw.shape[0]
-    q_bytes = 32 if ggml_type == GGMLQuantizationType.Q8_0 else 16
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(rows, -1, header + q_bytes)
-    d = _float16_field(blocks, 0)
+    q, d, minimums = file_blocks(raw, ggml_type)
+    d = d.float()
     if ggml_type == GGMLQuantizationType.Q8_0:
-        unsigned = (blocks[..., header:].view(torch.int8).to(torch.int16) + 128).reshape(rows, -1)
-        q = torch.cat([unsigned >> 4, unsigned & 15], dim=1).to(torch.uint8)
-        return q, torch.cat([16 * d, d], dim=1), torch.cat([torch.zeros_like(d), 8 * d], dim=1)
-    nibbles = blocks[..., header:]
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(rows, -1)
-    if ggml_type == GGMLQuantizationType.Q4_0:
-        return q, d, torch.zeros_like(d)
-    return q, d, _float16_field(blocks, 2) + 8 * d
+        return (torch.cat([q >> 4, q & 15], dim=1), torch.cat([16 * d, d], dim=1),
+                torch.cat([torch.zeros_like(d), 8 * d], dim=1))
+    return q, d, minimums.float() + 8 * d
+
+
+def _blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> torch.Tensor:
+    """A matrix's stored bytes as uint8 [rows, blocks, bytes per block]."""
+    block_bytes = _HEADER_BYTES[ggml_type] + (32 if ggml_type == GGMLQuantizationType.Q8_0 else 16)
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(raw.shape[0], -1, block_bytes)
 
 
 def _float16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The float16 at byte `offset` of every block, as float32 [rows, blocks]."""
-    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
+    """The float16 at byte `offset` of every block, [rows, blocks]."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).squeeze(-1)

@@ -15,10 +15,10 @@ from gguf.quants import dequantize
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.file_hash import content_hash
 from gracelm.model.gguf_config import ROPE_FREQS, gguf_model_config
-from gracelm.model.gguf_int4 import INT4_TYPES, input_copies, int4_blocks
+from gracelm.model.gguf_int4 import INT4_TYPES
 from gracelm.model.gguf_reader import GGUFFile, GGUFTensorInfo, read_gguf
 from gracelm.model.load_progress import load_progress
-from gracelm.model.quantized_linear import Int4Linear, layout_id
+from gracelm.model.quantized_linear import LowBitForm
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import cached_tokenizer
 from gracelm.model.weight_cache import cached_tensors, cached_weights
@@ -100,20 +100,20 @@ class GGUFModel:
         return {gguf_name: hf_name for gguf_name, hf_name in self.names.items()
                 if self.gguf.tensors[gguf_name].ggml_type in INT4_TYPES}
 
-    def int4_weights(self) -> dict[str, Int4Linear]:
-        """The `int4_matrices` in the int4 kernel's form, under their Hugging Face names."""
+    def low_bit_weights(self, form: type[LowBitForm]) -> dict[str, LowBitForm]:
+        """The `int4_matrices` in `form` (`BlockLinear`, or `Int4Linear`: torch's int4 kernel), under their
+        Hugging Face names, from the cache or packed there."""
         blocks = self.int4_matrices()
-        infos = {gguf_name: self.gguf.tensors[gguf_name] for gguf_name in blocks}
-        expected = {f"{hf_name}.{part}": form
-                    for gguf_name, hf_name in blocks.items()
-                    for part, form in Int4Linear.stored_form(
-                        infos[gguf_name].shape[0],
-                        infos[gguf_name].shape[1] * input_copies(infos[gguf_name].ggml_type)).items()}
-        tensors = cached_tensors(self.model_hash, f"int4-{layout_id()}", expected,
-                                 lambda: _converted_int4(self, blocks))
-        return {hf_name: Int4Linear(tensors[f"{hf_name}.packed"], tensors[f"{hf_name}.scales_zeros"],
-                                    infos[gguf_name].shape[0], input_copies(infos[gguf_name].ggml_type))
-                for gguf_name, hf_name in blocks.items()}
+        infos = {hf_name: self.gguf.tensors[gguf_name] for gguf_name, hf_name in blocks.items()}
+        expected = {f"{hf_name}.{part}": stored
+                    for hf_name, info in infos.items()
+                    for part, stored in form.stored_form_of(tuple(info.shape[:2]), info.ggml_type).items()}
+        tensors = cached_tensors(self.model_hash, form.layout(), expected,
+                                 lambda: _converted_forms(self, blocks, form))
+        return {hf_name: form.from_tensors({part: tensors[f"{hf_name}.{part}"] for part in
+                                            form.stored_form_of(tuple(info.shape[:2]), info.ggml_type)},
+                                           tuple(info.shape[:2]), info.ggml_type)
+                for hf_name, info in infos.items()}
 
 
 def _converted(model: GGUFModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -130,19 +130,20 @@ def _converted(model: GGUFModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _converted_int4(model: GGUFModel, blocks: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The 4-bit matrices `blocks` names (GGUF name -> HF name) in the int4 kernel's form, llama.cpp's rotary
-    layout undone (a permutation of whole rows, blocks and all), as the cache keeps them."""
+def _converted_forms(model: GGUFModel, blocks: dict[str, str], form: type[LowBitForm]
+                     ) -> dict[str, torch.Tensor]:
+    """The matrices `blocks` names (GGUF name -> HF name) in `form`, llama.cpp's rotary layout undone (a
+    permutation of whole rows, blocks and all), as the cache keeps them."""
     gguf = model.gguf
     rotary_heads = _rotary_permuted_heads(gguf, model.config)
     tensors = {}
-    for gguf_name, hf_name in load_progress(blocks.items(), len(blocks), "packing 4-bit weights"):
+    for gguf_name, hf_name in load_progress(blocks.items(), len(blocks), "packing 4/8-bit weights"):
         info = gguf.tensors[gguf_name]
-        parts = int4_blocks(gguf.raw_tensor(info), info.ggml_type)
+        raw = gguf.raw_tensor(info)
         part = gguf_name.split(".")[-2]
         if part in rotary_heads:
-            parts = tuple(_unpermute_rotary(t, rotary_heads[part]) for t in parts)
-        for name, tensor in Int4Linear.pack(*parts, input_copies(info.ggml_type)).tensors().items():
+            raw = _unpermute_rotary(torch.from_numpy(raw), rotary_heads[part]).numpy()
+        for name, tensor in form.from_file(raw, info.ggml_type).tensors().items():
             tensors[f"{hf_name}.{name}"] = tensor
     return tensors
 
@@ -185,7 +186,7 @@ def _rotary_permuted_heads(gguf: GGUFFile, config: ModelConfig) -> dict[str, int
 
 def _unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's permutation: per head, rows (pair i, half j) go back to (half j, pair i). Rows
-    of any tensor of the weight's rows (its 4-bit blocks' q, scales and zeros) move the same way."""
+    of any tensor of the weight's rows (its stored blocks, say) move the same way."""
     rows = weight.shape[0]
     order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
     return weight.index_select(0, order)

@@ -24,13 +24,12 @@ from gracelm.model.attention import AttentionMetadata, paged_attention
 from gracelm.model.decode_graph import DecodeGraph
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.quantized_linear import (
-    GROUP_SIZE,
     INT4_MAX_ROWS,
     KERNEL_DTYPE,
     Int4Choice,
     Int4Gate,
-    Int4Linear,
-    int4_rows_for,
+    LowBitForm,
+    rows_for,
 )
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -65,7 +64,7 @@ class FrozenLinear(nn.Module):
     be set at any time: 0 never uses the int4 form, `sys.maxsize` always does (one kernel for every step)."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
-                 int4: Int4Linear | None = None, int4_max_rows: int = INT4_MAX_ROWS) -> None:
+                 int4: LowBitForm | None = None, int4_max_rows: int = INT4_MAX_ROWS) -> None:
         super().__init__()
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.output_sizes = tuple(w.shape[0] for w in weights)
@@ -135,6 +134,12 @@ def set_int4_max_rows(module: nn.Module, rows: int) -> None:
             linear.int4_max_rows = rows
 
 
+def low_bit_layout(module: nn.Module) -> str:
+    """The layout of the low-bit forms the frozen linears below `module` use ("" where none does)."""
+    forms = [m.int4 for m in module.modules() if isinstance(m, FrozenLinear) and m.int4 is not None]
+    return forms[0].layout() if forms else ""
+
+
 def describe_linear_kernels(module: nn.Module) -> str:
     """Which kernels the frozen linears below `module` use, for the log."""
     linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
@@ -143,7 +148,6 @@ def describe_linear_kernels(module: nn.Module) -> str:
     with_int4 = [m for m in linears if m.int4 is not None and m.int4_max_rows > 0]
     if not with_int4:
         return f"{dense} at every batch size ({len(linears)} matmuls)"
-    scales = str(with_int4[0].int4.scales_zeros.dtype).removeprefix("torch.")
 
     def rows(halves: bool) -> str:
         forms = [m for m in with_int4 if not halves or m.int4.halves]
@@ -151,7 +155,7 @@ def describe_linear_kernels(module: nn.Module) -> str:
 
     halves = any(m.int4.halves for m in with_int4) and rows(True) != rows(False)
     halves_rows = f" (8-bit matrices as 4-bit halves: <= {rows(True)})" if halves else ""
-    return (f"int4 (group {GROUP_SIZE}, {scales} scales) for decode steps of <= {rows(False)} rows"
+    return (f"{with_int4[0].int4.describe()} for decode steps of <= {rows(False)} rows"
             f"{halves_rows}, {dense} above and for prompts, for {len(with_int4)} of {len(linears)} matmuls; "
             f"{dense} for the others")
 
@@ -332,16 +336,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_proj: FrozenLinear | None = None
 
-    def freeze(self, int4: Mapping[str, Int4Linear] | None = None, int4_max_rows: int | None = None) -> None:
+    def freeze(self, int4: Mapping[str, LowBitForm] | None = None, int4_max_rows: int | None = None) -> None:
         """Readies the loaded weights for fast inference: the decoder's (see `LlamaModel.freeze`) and the
-        logits projection's, with the 4-bit forms `int4` gives by weight name (a GGUF file's, as
+        logits projection's, with the low-bit forms `int4` gives by weight name (a GGUF file's, as
         `LoadedModel.int4` holds them) for steps of at most `int4_max_rows` rows (None: the crossover of
-        the model's dtype, `quantized_linear.int4_rows_for`). Their weights leave the state dict: load
-        before, never after. (A tensor-parallel wrapper, which has its own logits head, shards first and
+        the forms and the model's dtype, `quantized_linear.rows_for`). Their weights leave the state dict:
+        load before, never after. (A tensor-parallel wrapper, which has its own logits head, shards first and
         then calls `LlamaModel.freeze`.)"""
         dtype = self.model.embed_tokens.weight.dtype
         if int4_max_rows is None:
-            int4_max_rows = int4_rows_for(dtype)
+            int4_max_rows = rows_for(dtype, type(next(iter(int4.values())))) if int4 else 0
         choice = Int4Choice.of(self, int4, int4_max_rows, dtype) if int4 else None
         self.model.freeze(choice)
         # Tied: the embedding keeps its plain matrix for lookups, the logits get their own (packed) copy.

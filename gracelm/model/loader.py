@@ -26,7 +26,7 @@ from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import LlamaForCausalLM
 from gracelm.model.load_progress import load_progress
 from gracelm.model.model_files import ModelLoadError, read_hf_config, resolve_model_path
-from gracelm.model.quantized_linear import Int4Linear, int4_serves
+from gracelm.model.quantized_linear import LowBitForm, form_for, int4_serves
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import cached_tokenizer
 from gracelm.startup_timeline import mark
@@ -57,7 +57,7 @@ class LoadedModel:
     name: str
     device: torch.device
     # The 4-bit forms of some weights, by name, until `freeze` hands them to the model.
-    int4: dict[str, Int4Linear] = field(default_factory=dict)
+    int4: dict[str, LowBitForm] = field(default_factory=dict)
 
     def freeze(self, int4_max_rows: int | None = None) -> None:
         """Readies the model for inference (`LlamaForCausalLM.freeze`), its linears of 4-bit forms using them
@@ -72,9 +72,10 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
     """Loads weights, config and tokenizer onto `device`; `path=None` is the default model
     (SmolLM2-135M-Instruct GGUF).
 
-    `quantization` (`config.QUANTIZATION_CHOICES`): "auto" also loads a GGUF file's 4-bit blocks in the int4
-    kernel's form where the model runs on the CPU in bfloat16, or in float32 chosen by "auto"
-    (`quantized_linear.int4_serves`); "none" loads dense weights only."""
+    `quantization` (`config.QUANTIZATION_CHOICES`): "auto", "blocks" and "int4" also load a GGUF file's 4-
+    and 8-bit blocks in a low-bit kernel's form (`quantized_linear.form_for`) where the model runs on the
+    CPU in bfloat16, or in float32 chosen by "auto" (`quantized_linear.int4_serves`); "none" loads dense
+    weights only."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATION_CHOICES:
@@ -121,17 +122,21 @@ def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.dev
 
 
 def _int4_weights(model_file: GGUFModel, dtype: torch.dtype, dtype_asked: str, quantization: str,
-                  device: torch.device) -> dict[str, Int4Linear]:
-    """The file's 4-bit matrices in the int4 kernel's form, where `quantization` asks and the kernel serves
-    (torch's int4 kernel used here is the CPU one)."""
-    if quantization == "none" or not model_file.int4_matrices():
+                  device: torch.device) -> dict[str, LowBitForm]:
+    """The file's 4- and 8-bit matrices in the low-bit form `quantization` asks for on this CPU
+    (`quantized_linear.form_for`), where a low-bit kernel serves (both are CPU kernels)."""
+    try:
+        form = form_for(quantization)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    if form is None or not model_file.int4_matrices():
         return {}
     if device.type != "cpu" or not int4_serves(dtype, dtype_asked):
-        logger.info("%s: its 4-bit matrices are served dequantized, in %s (%s asked) on %s: the int4 kernel "
-                    "serves CPU models in bfloat16, or in float32 chosen by --dtype auto",
+        logger.info("%s: its 4-bit matrices are served dequantized, in %s (%s asked) on %s: the low-bit "
+                    "kernels serve CPU models in bfloat16, or in float32 chosen by --dtype auto",
                     model_file.gguf.path, str(dtype).removeprefix("torch."), dtype_asked, device)
         return {}
-    return model_file.int4_weights()
+    return model_file.low_bit_weights(form)
 
 
 def build_model(

@@ -37,9 +37,16 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
+
+from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
+from gracelm.model.block_linear import BlockLinear
+from gracelm.model.block_linear import serves as block_serves
+from gracelm.model.gguf_int4 import input_copies, int4_blocks
 
 # The activations' and scales' dtype of the kernel's vectorised path: other activations are cast to it.
 KERNEL_DTYPE = torch.bfloat16
@@ -87,16 +94,28 @@ class Int4Linear(nn.Module):
                                                                     _INNER_K_TILES)
         return cls(packed, torch.stack([scales.T, zeros.T], dim=-1).contiguous(), rows, input_copies)
 
+    @classmethod
+    def from_file(cls, raw: np.ndarray, ggml_type: GGMLQuantizationType) -> Int4Linear:
+        """From a GGUF matrix's stored bytes [rows, bytes per row] (`gguf_int4.int4_blocks`)."""
+        return cls.pack(*int4_blocks(raw, ggml_type), input_copies(ggml_type))
+
     @staticmethod
-    def stored_form(rows: int, columns: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """The shapes and dtypes of `tensors()`, as `pack` makes them, for a [rows, columns] weight (columns:
-        the kernel's K)."""
-        padded = rows + -rows % _ROW_MULTIPLE
-        return {"packed": ((padded, columns // 2), torch.uint8),
-                "scales_zeros": ((columns // GROUP_SIZE, padded, 2), torch.float32)}
+    def stored_form_of(shape: tuple[int, int], ggml_type: GGMLQuantizationType
+                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shapes and dtypes of `tensors()`, as `pack` makes them, for a GGUF matrix of `shape` [rows,
+        columns] and `ggml_type` (the kernel's K: the columns times `input_copies`)."""
+        rows, columns = shape[0] + -shape[0] % _ROW_MULTIPLE, shape[1] * input_copies(ggml_type)
+        return {"packed": ((rows, columns // 2), torch.uint8),
+                "scales_zeros": ((columns // GROUP_SIZE, rows, 2), torch.float32)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+                     ggml_type: GGMLQuantizationType) -> Int4Linear:
+        """From what a cache entry keeps (`tensors()`)."""
+        return cls(tensors["packed"], tensors["scales_zeros"], shape[0], input_copies(ggml_type))
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """What a cache entry keeps (with the weight's shape known, `Int4Linear(**tensors, rows=...)`)."""
+        """What a cache entry keeps (`from_tensors`)."""
         return {"packed": self.packed, "scales_zeros": self.scales_zeros}
 
     @staticmethod
@@ -120,6 +139,14 @@ class Int4Linear(nn.Module):
         """With scales and zeros in `dtype`, the dtype of the activations it will multiply."""
         return Int4Linear(self.packed, self.scales_zeros.to(dtype), self.rows, self.input_copies)
 
+    def describe(self) -> str:
+        return f"int4 (group {GROUP_SIZE}, {str(self.scales_zeros.dtype).removeprefix('torch.')} scales)"
+
+    @staticmethod
+    def layout() -> str:
+        """The kind of its cache entries and part of its compiled graphs' key."""
+        return f"int4-{layout_id()}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T in the scales' dtype, returned in x's (a no-op cast where they agree)."""
         kernel_input = x.to(self.scales_zeros.dtype)
@@ -128,6 +155,24 @@ class Int4Linear(nn.Module):
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(kernel_input.contiguous(),
                                                          self.packed, GROUP_SIZE, self.scales_zeros)
         return (out if out.shape[1] == self.rows else out[:, : self.rows]).to(x.dtype)
+
+
+# A matrix's low-bit form: the file's blocks for the 8-bit-activation kernel, or torch's int4 kernel's.
+LowBitForm = BlockLinear | Int4Linear
+
+
+def form_for(quantization: str) -> type[LowBitForm] | None:
+    """The low-bit form `quantization` (`config.QUANTIZATION_CHOICES`) asks for on this CPU: "auto" the
+    8-bit-activation kernel where it runs (AVX-512 VNNI), else torch's int4 kernel; "blocks" the former
+    (refused by name where it cannot run); "int4" the latter; "none" neither."""
+    if quantization == "none":
+        return None
+    if quantization == "int4" or (quantization == "auto" and not block_serves()):
+        return Int4Linear
+    if not block_serves():
+        raise ValueError("--quantization blocks needs a CPU with AVX-512 VNNI and gracelm._kernels built; "
+                         "this one runs --quantization int4 (torch's int4 kernel)")
+    return BlockLinear
 
 
 class Int4Gate:
@@ -157,11 +202,11 @@ class Int4Choice:
     """The 4-bit forms of a model's linears, by module, and the gate they share: what freezing gives the
     `FrozenLinear`s."""
 
-    forms: Mapping[nn.Module, Int4Linear]
+    forms: Mapping[nn.Module, LowBitForm]
     gate: Int4Gate
 
     @classmethod
-    def of(cls, model: nn.Module, by_name: Mapping[str, Int4Linear], max_rows: int, dtype: torch.dtype
+    def of(cls, model: nn.Module, by_name: Mapping[str, LowBitForm], max_rows: int, dtype: torch.dtype
            ) -> Int4Choice:
         """From the 4-bit forms of `model`'s weights by name (`<module name>.weight`), for a model of
         `dtype`."""
@@ -169,13 +214,13 @@ class Int4Choice:
                  if f"{name}.weight" in by_name}
         return cls(forms, Int4Gate(max_rows, halves_rows_for(dtype)))
 
-    def stacked(self, modules: list[nn.Module]) -> Int4Linear | None:
+    def stacked(self, modules: list[nn.Module]) -> LowBitForm | None:
         """The modules' weights stacked by rows, in 4 bits; None unless each has a 4-bit form (and the forms
         stack)."""
         parts = [self.forms.get(module) for module in modules]
-        if any(part is None for part in parts):
+        if any(part is None for part in parts) or len({type(part) for part in parts}) > 1:
             return None
-        return Int4Linear.stacked(parts)
+        return type(parts[0]).stacked(parts)
 
 
 def int4_serves(dtype: torch.dtype, dtype_asked: str) -> bool:
@@ -192,6 +237,11 @@ def int4_rows_for(dtype: torch.dtype) -> int:
     with dense float32 weights: 2.2 at 1 row, 3.0 at 4, 1.9 at 8, 1.3-1.4 at 16, 1.08 at 24, 1.05 at 32,
     0.91 at 48, 0.72 at 64: float32 reads twice bfloat16's bytes, so the crossover lies further out."""
     return INT4_MAX_ROWS_FLOAT32 if dtype == torch.float32 else INT4_MAX_ROWS
+
+
+def rows_for(dtype: torch.dtype, form: type[LowBitForm]) -> int:
+    """The rows up to which a model of `dtype` uses its forms of type `form`."""
+    return BLOCK_MAX_ROWS if form is BlockLinear else int4_rows_for(dtype)
 
 
 def halves_rows_for(dtype: torch.dtype) -> int | None:

@@ -24,8 +24,9 @@ from tqdm import tqdm
 from gracelm.config import EngineConfig
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import ChildProcess, exit_process, start_process
-from gracelm.model.decode_graph import BATCHES, DecodeGraph, compile_graph, graph_key, graph_path
+from gracelm.model.decode_graph import DecodeGraph, compile_graph, graph_batches, graph_key, graph_path
 from gracelm.model.file_hash import content_hash
+from gracelm.model.llama import low_bit_layout
 from gracelm.model.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -43,15 +44,16 @@ def graph_applies(config: EngineConfig, loaded: LoadedModel, world_size: int) ->
 
 
 class DecodeGraphBuild:
-    """The compiled decode steps of the driver's model, one per `BATCHES` entry: those still to load are
+    """The compiled decode steps of the driver's model, one per `graph_batches` entry: those still to load are
     pending until the child has written them, or until it has ended without."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, ledger: Ledger) -> None:
         self.loaded = loaded
         self.block_size = config.block_size
-        model_hash = content_hash(loaded.path)
-        self._pending = {rows: graph_path(graph_key(model_hash, loaded.dtype, config.block_size, rows))
-                         for rows in BATCHES}
+        key = (content_hash(loaded.path), loaded.dtype, config.block_size)
+        layout = low_bit_layout(loaded.model)
+        self._pending = {rows: graph_path(graph_key(*key, rows, layout))
+                         for rows in graph_batches(loaded.model)}
         self._load_written()
         self._child: ChildProcess | None = None
         if not self._pending:

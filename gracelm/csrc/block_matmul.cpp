@@ -1,0 +1,219 @@
+// x @ W.T for a weight W stored in blocks of 32 inputs with a scale and a minimum each (GGUF's Q4_0, Q4_1
+// and Q8_0 read straight in), multiplied on AVX-512 VNNI in 8-bit integers: the activations are rounded
+// to 8 bits per block of 32 on the fly (as llama.cpp does), each block's products summed exactly in int32
+// and scaled in float32. Why, the layout and the arithmetic: gracelm/model/block_linear.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // inputs per block: one scale and one minimum
+constexpr int64_t kLanes = 16;  // outputs per tile: one int32 or float32 vector
+constexpr int kMaxRows = 8;     // rows computed together: their sums stay in registers
+constexpr int64_t kAhead = 4;   // records prefetched ahead
+
+// Bytes of one (tile, block) record: the 16 x 32 weights, then 16 float16 scales and 16 float16 minimums.
+constexpr int64_t weight_bytes(int64_t bits) { return kLanes * kBlock * bits / 8; }
+constexpr int64_t record_bytes(int64_t bits) { return weight_bytes(bits) + 2 * kLanes * 2; }
+
+#define GRACELM_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
+
+GRACELM_VNNI inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+
+GRACELM_VNNI inline __m512 load16(const c10::BFloat16* x) {  // bfloat16 is float32's upper half
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// The activations of `rows` rows, rounded to 8 bits per block: q = round(x / d) with d = max|x| / 127
+// (to nearest even, as the CPU rounds by default), and per block d and d * sum(q), the factor of the
+// weights' minimums.
+template <typename T>
+GRACELM_VNNI void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* dsum) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < blocks; ++g) {
+      const int64_t at = r * k + g * kBlock;
+      const __m512 low = load16(x + at), high = load16(x + at + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+      const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i qlow = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+      const __m512i qhigh = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm512_cvtepi32_epi8(qlow));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16), _mm512_cvtepi32_epi8(qhigh));
+      d[r * blocks + g] = amax / 127.f;
+      dsum[r * blocks + g] = amax / 127.f * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlow, qhigh)));
+    }
+  }
+}
+
+// The 8 vectors of one record's weights as unsigned bytes: vector j holds, for each of the 16 outputs, its
+// inputs 4j..4j+3 (the layout vpdpbusd multiplies). 4-bit records hold vectors 2h and 2h+1 as the low and
+// high nibbles of the same 64 bytes.
+template <int Bits>
+GRACELM_VNNI inline void load_weights(const uint8_t* record, __m512i w[8]) {
+  if constexpr (Bits == 4) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int h = 0; h < 4; ++h) {
+      const __m512i packed = _mm512_loadu_si512(record + 64 * h);
+      w[2 * h] = _mm512_and_si512(packed, low);
+      w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(record + 64 * j);
+  }
+}
+
+GRACELM_VNNI inline void store_row(__m512 sums, float* out) { _mm512_storeu_ps(out, sums); }
+
+// float32 -> bfloat16, rounded to nearest even (as torch rounds).
+GRACELM_VNNI inline void store_row(__m512 sums, c10::BFloat16* out) {
+  const __m512i bits = _mm512_castps_si512(sums);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// 4 activation bytes read as one integer (aliasing them is allowed).
+typedef int32_t Int32 __attribute__((may_alias, aligned(1)));
+
+struct Activations {
+  const int8_t* q;   // [rows, k]
+  const float* d;    // [rows, blocks]
+  const float* dsum; // [rows, blocks]
+  int64_t k, blocks;
+};
+
+// Rows r0..r0+Rows-1 of one tile of 16 outputs, over all blocks of the tile's records, to out's rows
+// 0..Rows-1 (`ld` apart).
+template <int Bits, int Rows, typename T>
+GRACELM_VNNI void tile_rows(const uint8_t* tile, const Activations& a, int64_t r0, T* out, int64_t ld) {
+  __m512 sums[Rows];
+  for (int r = 0; r < Rows; ++r) sums[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.blocks; ++g) {
+    const uint8_t* record = tile + g * record_bytes(Bits);
+    // The records a few blocks on: a tile's first rows read them from memory.
+    for (int64_t line = 0; line < record_bytes(Bits); line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(record + kAhead * record_bytes(Bits) + line), _MM_HINT_T0);
+    __m512i w[8];
+    load_weights<Bits>(record, w);
+    const uint8_t* tail = record + weight_bytes(Bits);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
+    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
+    // Row by row per vector of weights: Rows independent chains of vpdpbusd keep its pipes busy. Each 4
+    // inputs are broadcast from memory.
+    __m512i dots[Rows];
+    for (int r = 0; r < Rows; ++r) dots[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      for (int r = 0; r < Rows; ++r) {
+        const Int32* four = reinterpret_cast<const Int32*>(a.q + (r0 + r) * a.k + g * kBlock);
+        dots[r] = _mm512_dpbusd_epi32(dots[r], w[j], _mm512_set1_epi32(four[j]));
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t at = (r0 + r) * a.blocks + g;
+      sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(scale, _mm512_set1_ps(a.d[at])),
+                                sums[r]);
+      sums[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(a.dsum[at]), sums[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) store_row(sums[r], out + r * ld);
+}
+
+template <int Bits, typename T, int Rows = kMaxRows>
+GRACELM_VNNI void tile_rows_of(int rows, const uint8_t* tile, const Activations& a, int64_t r0, T* out,
+                               int64_t ld) {
+  if constexpr (Rows > 1) {
+    if (rows < Rows) return tile_rows_of<Bits, T, Rows - 1>(rows, tile, a, r0, out, ld);
+  }
+  tile_rows<Bits, Rows>(tile, a, r0, out, ld);
+}
+
+// Every tile's rows in chunks of at most kMaxRows; a tile's records stay in the L1 cache between chunks.
+template <int Bits, typename T>
+GRACELM_VNNI void tiles(const uint8_t* packed, int64_t begin, int64_t end, const Activations& a, int64_t rows,
+                        T* out, int64_t n) {
+  const int64_t tile_bytes = a.blocks * record_bytes(Bits);
+  alignas(64) T last[kMaxRows * kLanes];  // the last tile of a width that is not a multiple of 16
+  for (int64_t t = begin; t < end; ++t) {
+    const bool partial = (t + 1) * kLanes > n;
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+      const int chunk = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+      if (!partial) {
+        tile_rows_of<Bits, T>(chunk, packed + t * tile_bytes, a, r0, out + r0 * n + t * kLanes, n);
+        continue;
+      }
+      tile_rows_of<Bits, T>(chunk, packed + t * tile_bytes, a, r0, last, kLanes);
+      for (int r = 0; r < chunk; ++r)
+        std::copy(last + r * kLanes, last + r * kLanes + (n - t * kLanes), out + (r0 + r) * n + t * kLanes);
+    }
+  }
+}
+
+template <typename T>
+void multiply(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits, at::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({2, rows, blocks}, x.options().dtype(at::kFloat));
+  quantize_rows(x.data_ptr<T>(), rows, k, q.data_ptr<int8_t>(), d[0].data_ptr<float>(), d[1].data_ptr<float>());
+  const Activations a{q.data_ptr<int8_t>(), d[0].data_ptr<float>(), d[1].data_ptr<float>(), k, blocks};
+  const uint8_t* weights = packed.data_ptr<uint8_t>();
+  T* o = out.data_ptr<T>();
+  // A grain of a few tiles: a small matrix is not cut finer than the threads' start-up is worth.
+  at::parallel_for(0, packed.size(0), 4, [&](int64_t begin, int64_t end) {
+    if (bits == 4) {
+      tiles<4, T>(weights, begin, end, a, rows, o, n);
+    } else {
+      tiles<8, T>(weights, begin, end, a, rows, o, n);
+    }
+  });
+}
+
+bool block_matmul_serves() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("fma");
+}
+
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t bits) {
+  TORCH_CHECK(block_matmul_serves(), "block_matmul: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(bits == 4 || bits == 8, "block_matmul: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3, "block_matmul: x [rows, K], packed [tiles, blocks, bytes]");
+  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "block_matmul: contiguous tensors only");
+  TORCH_CHECK(packed.scalar_type() == at::kByte, "block_matmul: packed must be uint8");
+  TORCH_CHECK(x.size(1) == packed.size(1) * kBlock, "block_matmul: x has ", x.size(1), " inputs, the weight ",
+              packed.size(1) * kBlock);
+  TORCH_CHECK(packed.size(2) == record_bytes(bits), "block_matmul: records of ", packed.size(2),
+              " bytes, not the ", record_bytes(bits), " of ", bits, "-bit weights");
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kLanes && out_features <= packed.size(0) * kLanes,
+              "block_matmul: ", out_features, " outputs do not fill ", packed.size(0), " tiles of ", kLanes);
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    multiply<c10::BFloat16>(x, packed, out_features, bits, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "block_matmul: bfloat16 or float32 activations only");
+    multiply<float>(x, packed, out_features, bits, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gracelm, m) {
+  m.def("block_matmul(Tensor x, Tensor packed, int out_features, int bits) -> Tensor");
+  m.def("block_matmul_serves() -> bool", &block_matmul_serves);
+}
+
+TORCH_LIBRARY_IMPL(gracelm, CPU, m) { m.impl("block_matmul", &block_matmul); }

@@ -1,0 +1,139 @@
+"""A GGUF file's 4-bit and 8-bit matrices (Q4_0, Q4_1, Q8_0) multiplied in 8-bit integers on AVX-512 VNNI:
+`torch.ops.gracelm.block_matmul`, built from `gracelm/csrc/block_matmul.cpp` into `gracelm._kernels`.
+
+The weights stay in the file's blocks: 32 consecutive inputs of an output with a scale s and a minimum m,
+w = s·q + m for unsigned q (0..15 in 4 bits; 8 bits: the file's signed q + 128, with m = −128·s). Q4_0
+gives m = −8·s, Q4_1 its own m, all float16 as in the file, so the weights are the file's, value for
+value. The activations are rounded per block of 32 to 8 bits (q_x = round(x/d), d = max|x|/127, as
+llama.cpp rounds them for these blocks), so that a block's 32 products are one exact int32 sum of
+`vpdpbusd` (4 products per lane, 64 per instruction), and
+
+    sum over a block of w·x = s·d·sum(q·q_x) + m·d·sum(q_x)
+
+scaled and accumulated in float32. Why: torch's int4 kernel (`quantized_linear.py`) dequantizes the whole
+weight again for every 4 rows, so its cost grows with the rows from the first, and dense bfloat16 is
+bound by its multiply-adds at a batch of decode steps; this kernel reads the 4-bit bytes once per step
+for every row and does four times bfloat16's multiply-adds per instruction. Its error is the activations'
+8-bit rounding beside the file's own 4-bit one (`bench/perplexity.py` measures the model's).
+
+The layout (`pack`): the outputs in tiles of 16 (one vector of sums), each tile's blocks in input order,
+a record per (tile, block): the 16 × 32 q as 8 vectors of 64 bytes, vector j holding inputs 4j..4j+3 of
+every output (4 bits: vectors 2h and 2h + 1 as the low and high nibbles of the same 64 bytes), then the
+16 scales and the 16 minimums in float16: 320 bytes for 512 weights in 4 bits (5 bits a weight, Q4_1's
+own), 576 in 8 bits. A thread reads its tiles' records front to back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from gracelm.model.gguf_int4 import BITS, file_blocks
+from gracelm.model.kernel_library import LOADED
+
+# Inputs per block (GGUF's block size for these types) and outputs per tile.
+BLOCK = 32
+TILE = 16
+# Decode steps of at most this many rows use the kernel. Against bfloat16 oneDNN on the default model's 30
+# layers (4-bit matrices of the real shapes, 2 threads, a Zen 5; medians of interleaved runs), time of the
+# kernel over oneDNN's: 0.33 at 1 row, 0.40 at 8, 0.55 at 16, 0.60 at 32, 0.78 at 64, 0.80 at 128; its
+# 8-bit logits head: 0.51, 0.52, 0.71, 0.82, 0.84, 0.88. Above, prompts' many rows are oneDNN's anyway.
+MAX_ROWS = 128
+# Part of the key of cached forms and compiled graphs: a change of `pack` must change it.
+LAYOUT = "blocks-1"
+
+if LOADED:
+    @torch.library.register_fake("gracelm::block_matmul")
+    def _(x: torch.Tensor, packed: torch.Tensor, out_features: int, bits: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+
+def serves() -> bool:
+    """Whether this CPU runs the kernel (AVX-512 with VNNI), with gracelm._kernels built."""
+    return LOADED and torch.ops.gracelm.block_matmul_serves()
+
+
+def record_bytes(bits: int) -> int:
+    """Bytes of one (tile, block) record: the q, then float16 scales and minimums."""
+    return TILE * BLOCK * bits // 8 + 2 * TILE * 2
+
+
+class BlockLinear(nn.Module):
+    """A [rows, K] weight as `block_matmul` reads it: `packed` uint8 [tiles, K / 32, record bytes]."""
+
+    halves = False  # as `Int4Linear.halves`: never two halves here, 8-bit blocks are multiplied as they are
+
+    def __init__(self, packed: torch.Tensor, rows: int, bits: int) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed, persistent=False)
+        self.rows = rows
+        self.bits = bits
+
+    @classmethod
+    def pack(cls, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int) -> BlockLinear:
+        """From q [N, K] (uint8, 0..2^bits − 1) and float16 scales and minimums [N, K / 32]
+        (`gguf_int4.file_blocks`)."""
+        if not torch.isfinite(minimums).all():
+            raise ValueError("a block's minimum overflows float16 (a Q8_0 scale above 511?)")
+        rows, columns = q.shape
+        pad = -rows % TILE
+        q = F.pad(q, (0, 0, 0, pad))  # zero scales and minimums: outputs of zeros
+        scales, minimums = F.pad(scales, (0, 0, 0, pad)), F.pad(minimums, (0, 0, 0, pad))
+        tiles, blocks = (rows + pad) // TILE, columns // BLOCK
+        # [tile, output, block, vector j, input of 4] -> [tile, block, j, output, input of 4]
+        vectors = q.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+        if bits == 4:
+            vectors = vectors[:, :, 0::2] | (vectors[:, :, 1::2] << 4)
+        tails = torch.stack([scales, minimums]).view(2, tiles, TILE, blocks).permute(1, 3, 0, 2).contiguous()
+        records = [vectors.reshape(tiles, blocks, -1), tails.view(torch.uint8).reshape(tiles, blocks, -1)]
+        return cls(torch.cat(records, dim=2), rows, bits)
+
+    @classmethod
+    def from_file(cls, raw: np.ndarray, ggml_type: GGMLQuantizationType) -> BlockLinear:
+        """From a GGUF matrix's stored bytes [rows, bytes per row]."""
+        return cls.pack(*file_blocks(raw, ggml_type), BITS[ggml_type])
+
+    @staticmethod
+    def stored_form_of(shape: tuple[int, int], ggml_type: GGMLQuantizationType
+                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shapes and dtypes of `tensors()` for a GGUF matrix of `shape` [rows, columns], `ggml_type`."""
+        rows, columns = shape
+        return {"packed": ((-(-rows // TILE), columns // BLOCK, record_bytes(BITS[ggml_type])), torch.uint8)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], shape: tuple[int, int],
+                     ggml_type: GGMLQuantizationType) -> BlockLinear:
+        """From what a cache entry keeps (`tensors()`)."""
+        return cls(tensors["packed"], shape[0], BITS[ggml_type])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed": self.packed}
+
+    @staticmethod
+    def stacked(parts: list[BlockLinear]) -> BlockLinear | None:
+        """The parts stacked by rows (a fused q/k/v or gate/up), or None where they cannot be: of one width
+        and one bit count, every part but the last whole tiles."""
+        if len(parts) == 1:
+            return parts[0]
+        if (any(p.rows % TILE for p in parts[:-1]) or len({p.packed.shape[1:] for p in parts}) > 1
+                or len({p.bits for p in parts}) > 1):
+            return None
+        return BlockLinear(torch.cat([p.packed for p in parts]), sum(p.rows for p in parts), parts[0].bits)
+
+    def to_dtype(self, dtype: torch.dtype) -> BlockLinear:
+        """Itself: it computes in float32 and answers in the activations' dtype, whichever."""
+        return self
+
+    def describe(self) -> str:
+        return "the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels)"
+
+    @staticmethod
+    def layout() -> str:
+        """The kind of its cache entries and part of its compiled graphs' key."""
+        return LAYOUT
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.gracelm.block_matmul(x.contiguous(), self.packed, self.rows, self.bits)

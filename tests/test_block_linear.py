@@ -1,0 +1,160 @@
+"""The blocks' 8-bit-activation matmul (`gracelm/model/block_linear.py`, built from
+`gracelm/csrc/block_matmul.cpp`): GGUF's Q4_0, Q4_1 and Q8_0 blocks read as scale·q + minimum hold gguf's
+own dequantized values exactly; the kernel computes its arithmetic (activations rounded to 8 bits per block
+of 32, exact integer sums, float32 scaling) up to float32 rounding, so it errs from the exact product of the
+file's weights by no more than that rounding's bound; on whole and partial tiles of outputs, rows across its
+chunks of 8, bfloat16 and float32 activations; each row computed as if alone, whatever the threads; stacked
+forms equal their parts; bad arguments raise an error naming the kernel. The kernel is part of the install
+(scripts/bootstrap.sh builds it): where it is missing these tests fail; only a CPU without AVX-512 VNNI
+skips them."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gracelm.model.block_linear import BLOCK, BlockLinear, record_bytes
+from gracelm.model.gguf_int4 import BITS, file_blocks
+from gracelm.model.kernel_library import LOADED
+
+pytestmark = pytest.mark.skipif(LOADED and not torch.ops.gracelm.block_matmul_serves(),
+                                reason="this CPU lacks AVX-512 VNNI")
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+# (outputs, inputs): whole tiles of 16 outputs, a partial last tile, a single block of inputs, a long row.
+SHAPES = [(64, 576), (40, 96), (200, 32), (17, 1536)]
+ROWS = [1, 2, 3, 7, 8, 9, 16, 33, 129]  # across the kernel's chunks of 8 rows
+
+
+def quantized(shape: tuple[int, int], qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """Random weights in GGUF blocks of `qtype` (gguf-py's own quantizer), and gguf's dequantization."""
+    weights = np.random.default_rng(seed).normal(0.0, 0.05, shape).astype(np.float32)
+    weights[:, :BLOCK] += 0.03  # a block whose values are not centred on zero: Q4_1's minimum counts
+    blocks = gguf.quants.quantize(weights, qtype)
+    return blocks, torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(shape))
+
+
+def activations(rows: int, columns: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed + rows))
+    x[:, BLOCK : 2 * BLOCK] *= 20  # blocks of very different ranges: each has its own scale
+    if columns > 2 * BLOCK:
+        x[0, 2 * BLOCK : 3 * BLOCK] = 0  # a block of zeros: no scale to divide by
+    return x.to(dtype)
+
+
+def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations as the kernel rounds them: q = round(x · 127 / max|x|) per block of 32 (to nearest
+    even), and each block's scale max|x| / 127, float64 [rows, K] and [rows, K / 32]."""
+    blocks = x.float().view(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # 127 / max|x| rounded once to float32, as the CPU divides (torch's float32 `127 / amax` multiplies by a
+    # reciprocal, which may land one unit off and move a product across a rounding tie).
+    inverse = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
+    q = torch.round(blocks * inverse)
+    return q.view_as(x).double(), (amax / 127).squeeze(-1).double()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_blocks_read_as_ggufs_own_dequantized_values(qtype: Q, shape: tuple[int, int]) -> None:
+    blocks, expected = quantized(shape, qtype)
+    q, scales, minimums = file_blocks(blocks, qtype)
+    assert q.dtype == torch.uint8 and int(q.max()) < 2 ** BITS[qtype]
+    assert scales.dtype == minimums.dtype == torch.float16
+    scales, minimums = (t.float().repeat_interleave(BLOCK, 1) for t in (scales, minimums))
+    weights = scales * q.float() + minimums
+    assert torch.equal(weights, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_the_kernel_computes_its_arithmetic_within_float32_rounding(qtype: Q, shape: tuple[int, int],
+                                                                    dtype: torch.dtype) -> None:
+    """Against float64 over the same rounded activations and the file's weights; and against the exact
+    product of the unrounded activations, within the rounding's own bound: each activation moves by at
+    most half its block's scale, so an output by at most sum over blocks of scale / 2 · sum |w|."""
+    blocks, weights = quantized(shape, qtype)
+    form = BlockLinear.from_file(blocks, qtype)
+    for rows in ROWS:
+        x = activations(rows, shape[1], dtype)
+        out = form(x)
+        assert out.shape == (rows, shape[0]) and out.dtype == dtype
+        q, scales = rounded(x)
+        ours = (q * scales.repeat_interleave(BLOCK, 1)) @ weights.double().T
+        unit = 2.0**-8 if dtype == torch.bfloat16 else 0.0  # the output's own rounding
+        scale = ours.abs().max()
+        assert ((out.double() - ours).abs() <= 1e-5 * scale + unit * ours.abs()).all(), rows
+        bound = (scales / 2) @ weights.abs().double().view(shape[0], -1, BLOCK).sum(-1).T
+        exact = x.double() @ weights.double().T
+        assert ((out.double() - exact).abs() <= bound + 1e-5 * scale + unit * ours.abs()).all(), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_each_row_is_computed_as_if_alone_whatever_the_threads(dtype: torch.dtype) -> None:
+    blocks, _ = quantized((200, 576), Q.Q4_1)
+    form = BlockLinear.from_file(blocks, Q.Q4_1)
+    x = activations(37, 576, dtype)
+    together = form(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([form(x[i : i + 1]) for i in range(len(x))])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone)
+
+
+def test_no_rows_give_no_rows() -> None:
+    blocks, _ = quantized((40, 96), Q.Q8_0)
+    assert BlockLinear.from_file(blocks, Q.Q8_0)(torch.zeros(0, 96)).shape == (0, 40)
+
+
+def test_stacked_forms_equal_their_parts_where_the_tiles_stack() -> None:
+    parts = [BlockLinear.from_file(quantized((rows, 96), Q.Q4_1, seed=rows)[0], Q.Q4_1)
+             for rows in (32, 48, 40)]
+    stacked = BlockLinear.stacked(parts)
+    x = activations(5, 96)
+    assert stacked is not None and stacked.rows == 120
+    assert torch.equal(stacked(x), torch.cat([part(x) for part in parts], dim=1))
+    assert BlockLinear.stacked([parts[2], parts[0]]) is None  # a partial tile before the last part
+    eight_bit = BlockLinear.from_file(quantized((32, 96), Q.Q8_0)[0], Q.Q8_0)
+    assert BlockLinear.stacked([parts[0], eight_bit]) is None  # 4 and 8 bits
+
+
+def test_the_stored_form_is_what_pack_makes() -> None:
+    for qtype in TYPES:
+        form = BlockLinear.from_file(quantized((40, 96), qtype)[0], qtype)
+        [(shape, dtype)] = BlockLinear.stored_form_of((40, 96), qtype).values()
+        assert form.packed.shape == shape == (3, 3, record_bytes(BITS[qtype])) and form.packed.dtype == dtype
+
+
+def test_a_minimum_that_overflows_float16_is_refused() -> None:
+    q = torch.zeros(16, BLOCK, dtype=torch.uint8)
+    scales = torch.full((16, 1), 600.0, dtype=torch.float16)
+    with pytest.raises(ValueError, match="minimum overflows float16"):
+        BlockLinear.pack(q, scales, scales * -128, 8)
+
+
+def test_bad_arguments_raise_an_error_naming_the_kernel() -> None:
+    form = BlockLinear.from_file(quantized((40, 96), Q.Q4_1)[0], Q.Q4_1)
+    x = activations(3, 96)
+    matmul = torch.ops.gracelm.block_matmul
+    bad = {
+        "bits": lambda: matmul(x, form.packed, 40, 5),
+        "records": lambda: matmul(x, form.packed, 40, 8),
+        "inputs": lambda: matmul(activations(3, 64), form.packed, 40, 4),
+        "outputs": lambda: matmul(x, form.packed, 49, 4),
+        "too few outputs": lambda: matmul(x, form.packed, 32, 4),
+        "dtype": lambda: matmul(x.half(), form.packed, 40, 4),
+        "packed dtype": lambda: matmul(x, form.packed.view(torch.int8), 40, 4),
+        "contiguous": lambda: matmul(activations(3, 192)[:, ::2], form.packed, 40, 4),
+        "dims": lambda: matmul(x[None], form.packed, 40, 4),
+    }
+    for case, call in bad.items():
+        with pytest.raises(RuntimeError, match="block_matmul"):
+            call()
+        assert case
