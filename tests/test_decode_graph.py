@@ -65,10 +65,15 @@ def decode_batch(contexts: list[int], tables: torch.Tensor) -> ForwardBatch:
 
 @pytest.mark.parametrize(("contexts"), [[0], [1], [15], [16], [17], [100], [MAX_CONTEXT - 1], [3, 40],
                                         [16, 0, 200, 33, 31], [MAX_CONTEXT - 1, 5, 17, 64, 1, 0, 300, 48],
-                                        [BLOCK, 3, 9]], ids=str)
+                                        [BLOCK, 3, 9], [17 * i % 300 + 16 for i in range(12)],
+                                        [29 * i % 700 + 16 for i in range(33)]], ids=lambda c: str(c)[:40])
 def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, contexts: list[int]) -> None:
-    """Mixed lengths, blocks in no order and none contiguous, of one sequence and of several."""
+    """Mixed lengths, blocks in no order and none contiguous, of one sequence and of several (more than 8
+    where the blocks' kernel serves the graph: torch's int4 kernel's graph stops at 8)."""
     model, graphs = compiled
+    if not any(g.rows.stop > len(contexts) for g in graphs):
+        assert model.model.int4_gate.max_rows == 8 and len(contexts) > 8  # eager's, as the gate says
+        return
     per_seq = MAX_CONTEXT // BLOCK + 1
     generator = torch.Generator().manual_seed(len(contexts) * 1000 + contexts[0])
     tables = torch.randperm(len(contexts) * per_seq + 4, generator=generator)[:len(contexts) * per_seq]
@@ -87,8 +92,9 @@ def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, 
         ours = model(batch, graph_caches)
     model.model.decode_graphs = []
     # Inductor rounds where eager rounds (emulate_precision_casts); a fused reduction may still sum in
-    # another order, so the bound is bfloat16's rounding of the logits, not bit equality.
-    torch.testing.assert_close(ours, eager, rtol=1.6e-2, atol=1e-2)
+    # another order, so the bound is bfloat16's rounding of the logits, not bit equality: a relative
+    # step, or one step (2^-7) of the largest logit, which a hidden state one step off moves a small one by.
+    torch.testing.assert_close(ours, eager, rtol=1.6e-2, atol=max(1e-2, 2**-7 * float(eager.abs().max())))
     assert ours.abs().max() > 1.0  # far from zero, so a wrong path would show
     for old, eager_cache, graph_cache in zip(before, eager_caches, graph_caches, strict=True):
         torch.testing.assert_close(graph_cache, eager_cache, rtol=1.6e-2, atol=1e-2)
