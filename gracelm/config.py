@@ -133,12 +133,12 @@ class EngineConfig:
                                 "precision as bfloat16 where the device computes it natively)",
                         choices=DTYPE_CHOICES)
     quantization: str = option("auto", "low-bit weight kernels for a GGUF file's 4- and 8-bit blocks, "
-                                       "which serve decode steps on the CPU in bfloat16, or in float32 "
-                                       "chosen by --dtype auto (dense weights the rest): blocks (the "
+                                       "on the CPU in bfloat16, or in float32 chosen by --dtype auto "
+                                       "(dense weights the rest): blocks (the "
                                        "file's blocks times activations rounded to 8 bits, AVX-512 VNNI, "
-                                       "up to 128 sequences), int4 (torch's int4 kernel, bfloat16 "
-                                       "activations, up to 8), auto (blocks where the CPU has VNNI, else "
-                                       "int4), none (dense weights only)",
+                                       "every step), int4 (torch's int4 kernel, bfloat16 activations, "
+                                       "decode steps of up to 8 sequences), auto (blocks where the CPU has "
+                                       "VNNI, else int4), none (dense weights only)",
                                choices=QUANTIZATION_CHOICES)
     device: str = option("auto", "where the model, KV cache and sampler run (auto: cuda when torch sees a "
                                  "GPU and tensor_parallel_size is 1, else cpu)", choices=DEVICE_CHOICES)

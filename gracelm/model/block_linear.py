@@ -13,8 +13,16 @@ llama.cpp rounds them for these blocks), so that a block's 32 products are one e
 scaled and accumulated in float32. Why: torch's int4 kernel (`quantized_linear.py`) dequantizes the whole
 weight again for every 4 rows, so its cost grows with the rows from the first, and dense bfloat16 is
 bound by its multiply-adds at a batch of decode steps; this kernel reads the 4-bit bytes once per step
-for every row and does four times bfloat16's multiply-adds per instruction. Its error is the activations'
-8-bit rounding beside the file's own 4-bit one (`bench/perplexity.py` measures the model's).
+for every row and does twice bfloat16's multiply-adds per instruction. Its error is the activations'
+8-bit rounding beside the file's own 4-bit one (`bench/perplexity.py` measures the model's: llama.cpp's
+to the fourth digit).
+
+It serves every step, prompts included (`quantized_linear.rows_for`): against bfloat16 oneDNN on the
+default model's 30 layers (4-bit matrices of the real shapes, 2 threads, a Zen 5; medians of interleaved
+runs), time of this kernel over oneDNN's: 0.33 at 1 row, 0.40 at 8, 0.55 at 16, 0.60 at 32, 0.78 at 64,
+0.77 at 128-256, 0.94-0.96 at 512-1,024; its 8-bit logits head 0.51, 0.52, 0.71, 0.82, 0.84, 0.83-0.93.
+One kernel for every row also keeps a prompt's logits the same whether the prefix cache served its head
+or not (a row's result does not depend on its step's other rows).
 
 The layout (`pack`): the outputs in tiles of 16 (one vector of sums), each tile's blocks in input order,
 a record per (tile, block): the 16 × 32 q as 8 vectors of 64 bytes, vector j holding inputs 4j..4j+3 of
@@ -37,11 +45,6 @@ from gracelm.model.kernel_library import LOADED
 # Inputs per block (GGUF's block size for these types) and outputs per tile.
 BLOCK = 32
 TILE = 16
-# Decode steps of at most this many rows use the kernel. Against bfloat16 oneDNN on the default model's 30
-# layers (4-bit matrices of the real shapes, 2 threads, a Zen 5; medians of interleaved runs), time of the
-# kernel over oneDNN's: 0.33 at 1 row, 0.40 at 8, 0.55 at 16, 0.60 at 32, 0.78 at 64, 0.80 at 128; its
-# 8-bit logits head: 0.51, 0.52, 0.71, 0.82, 0.84, 0.88. Above, prompts' many rows are oneDNN's anyway.
-MAX_ROWS = 128
 # Part of the key of cached forms and compiled graphs: a change of `pack` must change it.
 LAYOUT = "blocks-1"
 

@@ -1,6 +1,6 @@
-"""Decode steps of up to 8 sequences, compiled ahead of time by AOTInductor: for a model on the CPU whose
-linears have 4-bit forms (a GGUF file's Q4 blocks, `model/quantized_linear.py`), in bfloat16 or, where
-bfloat16 is emulated, in float32.
+"""Decode steps of up to 64 sequences, compiled ahead of time by AOTInductor: for a model on the CPU whose
+linears have low-bit forms (a GGUF file's 4- and 8-bit blocks, `model/quantized_linear.py`), in bfloat16
+or, where bfloat16 is emulated, in float32.
 
 Why. At few sequences per step the matmuls are a third of the step: the int4 kernel reads the 30 layers'
 weights in about 2.5 ms and the logits head takes 1.1 ms, while the ~1,700 small eager ops around them
@@ -8,13 +8,16 @@ weights in about 2.5 ms and the logits head takes 1.1 ms, while the ~1,700 small
 of a ~10.9 ms step (default model, one sequence, context 256, 2 threads). Compiled, those ops become a few
 fused C++ loops called from C++ (no Python, no dispatcher, no guards): 7.3 ms for the same step (with the
 fused decode attention of `decode_attention.py`, which the graphs call as eager does: 7.2 ms against
-11.3 eager at one sequence, 18.1 against 24.8 at eight). `bench/forward.py --decode-graph` measures it.
+11.3 eager at one sequence, 18.1 against 24.8 at eight; with the blocks' kernel of `block_linear.py`,
+5.9 against 12.9 at one, 10.0 against 14.6 at eight, 27.6 against 37.0 at 32, context 256).
+`bench/forward.py --decode-graph` measures it.
 
 What is compiled (`_DecoderStack`): the decoder layers and the final norm, the very modules and code the
 eager forward runs (`LlamaDecoderLayer.forward`, `paged_attention`), traced by `torch.export` with the
 context length dynamic (1 to `MAX_CONTEXT` tokens, whole blocks) and the KV cache written in place. Two
-graphs (`BATCHES`): one sequence, with static shapes otherwise, and 2 to 8 sequences (the int4 kernel's
-rows), the count dynamic. Left eager: the embedding lookup, the rotary cos/sin and the attention metadata
+graphs (`graph_batches`): one sequence, with static shapes otherwise, and 2 up to the rows the low-bit
+forms serve (64 with the blocks' kernel, `MAX_ROWS`; 8 with torch's int4 kernel), the count dynamic.
+Left eager: the embedding lookup, the rotary cos/sin and the attention metadata
 (once per step, as the eager forward builds them) and the logits head (one oneDNN call). Inductor's
 `emulate_precision_casts` rounds to bfloat16 where eager rounds, so the one-sequence graph gave eager's
 logits bit for bit on the default model at contexts of 40 to 600 tokens on this project's machine;
@@ -27,13 +30,13 @@ Which steps (`DecodeGraph.serves`): decode steps only, of a graph's count of seq
 eager's kernels as the context grows (compiled/eager at one sequence, measured: 0.6 at 40 tokens, 0.7 at
 256, 0.8 at 600, 0.8-0.95 at 1,000, above 1 at 2,000), so longer contexts stay eager.
 
-Kept on disk (`graph_path`): `<cache>/graphs/<key>.pt2`, each package with its constants (the layers' int4
-weights and norms: 70 MB for the default model, and as much memory once loaded), keyed by everything the
-compiled code depends on (`graph_key`): the model file's content hash, dtype, block size, the int4 kernel's
-packed layout, torch's version, the CPU's vector capability, the graph's sequences and `FORMAT_VERSION`.
-Building them takes about 40 s each of one core for the default model; `parallel/decode_graph_build.py`
-does it in a child process after the first start while the engine serves eagerly, and every later start
-loads them in 0.1 s each.
+Kept on disk (`graph_path`): `<cache>/graphs/<key>.pt2`, each package with its constants (the layers'
+low-bit weights and norms: 70 MB for the default model, and as much memory once loaded), keyed by
+everything the compiled code depends on (`graph_key`): the model file's content hash, dtype, block size,
+the low-bit forms' layout, torch's version, the CPU's vector capability, the graph's sequences and
+`FORMAT_VERSION`. Building them takes about 40 s each of one core for the default model;
+`parallel/decode_graph_build.py` does it in a child process after the first start while the engine serves
+eagerly, and every later start loads them in 0.1 s each.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ parts' row counts (`output_sizes`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 
 import torch
@@ -153,6 +154,9 @@ def describe_linear_kernels(module: nn.Module) -> str:
         forms = [m for m in with_int4 if not halves or m.int4.halves]
         return "/".join(map(str, sorted({m.int4_gate.bound(halves) for m in forms})))
 
+    counts = f"for {len(with_int4)} of {len(linears)} matmuls; {dense} for the others"
+    if all(m.int4_max_rows == sys.maxsize for m in with_int4):
+        return f"{with_int4[0].int4.describe()} for every step, {counts}"
     halves = any(m.int4.halves for m in with_int4) and rows(True) != rows(False)
     halves_rows = f" (8-bit matrices as 4-bit halves: <= {rows(True)})" if halves else ""
     return (f"{with_int4[0].int4.describe()} for decode steps of <= {rows(False)} rows"

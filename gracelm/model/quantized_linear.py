@@ -1,5 +1,7 @@
-"""4-bit weights in the form of torch's CPU weight-only kernel (`aten._weight_int4pack_mm_for_cpu`), and the
-number of rows up to which `FrozenLinear` uses them instead of its dense weight.
+"""A GGUF file's low-bit matrices for decode steps: which form serves them (`form_for`: the blocks'
+8-bit-activation kernel of `block_linear.py` where the CPU has AVX-512 VNNI, else torch's int4 kernel), the
+gate `FrozenLinear` asks whether a step takes them (`Int4Gate`, `rows_for`), and torch's form itself:
+4-bit weights in the form of its CPU weight-only kernel (`aten._weight_int4pack_mm_for_cpu`).
 
 The form: a [N, K] weight cut along K into groups of `GROUP_SIZE`; each group of a row has a scale s and a
 zero z, and w = s·(q − 8) + z for the 4-bit q in 0..15. GGUF's own 4-bit blocks are such groups, so they
@@ -43,7 +45,6 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
 from gracelm.model.block_linear import BlockLinear
 from gracelm.model.block_linear import serves as block_serves
 from gracelm.model.gguf_int4 import input_copies, int4_blocks
@@ -240,8 +241,10 @@ def int4_rows_for(dtype: torch.dtype) -> int:
 
 
 def rows_for(dtype: torch.dtype, form: type[LowBitForm]) -> int:
-    """The rows up to which a model of `dtype` uses its forms of type `form`."""
-    return BLOCK_MAX_ROWS if form is BlockLinear else int4_rows_for(dtype)
+    """The rows up to which a model of `dtype` uses its forms of type `form`: the blocks' at every step
+    (`sys.maxsize`: they beat dense oneDNN at every size measured, `block_linear.py`), torch's int4 ones
+    up to their crossover (`int4_rows_for`)."""
+    return sys.maxsize if form is BlockLinear else int4_rows_for(dtype)
 
 
 def halves_rows_for(dtype: torch.dtype) -> int | None:
