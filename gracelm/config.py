@@ -116,8 +116,9 @@ def _size(value: str | int | None) -> str | None:
 
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-# "auto": a GGUF file's 4-bit blocks (Q4_0, Q4_1) also serve, as they are, steps of few rows through the int4
-# kernel where the model runs in bfloat16; "none": dense weights for every step.
+# A GGUF file's 4- and 8-bit blocks also serve, as they are, decode steps on the CPU: "blocks" through the
+# 8-bit-activation kernel (AVX-512 VNNI), "int4" through torch's int4 kernel, "auto" the first where the CPU
+# runs it; "none": dense weights for every step (`model/quantized_linear.py:form_for`).
 QUANTIZATION_CHOICES = ("auto", "blocks", "int4", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
@@ -136,7 +137,7 @@ class EngineConfig:
                                        "on the CPU in bfloat16, or in float32 chosen by --dtype auto "
                                        "(dense weights the rest): blocks (the "
                                        "file's blocks times activations rounded to 8 bits, AVX-512 VNNI, "
-                                       "every step), int4 (torch's int4 kernel, bfloat16 activations, "
+                                       "decode steps), int4 (torch's int4 kernel, bfloat16 activations, "
                                        "decode steps of up to 8 sequences), auto (blocks where the CPU has "
                                        "VNNI, else int4), none (dense weights only)",
                                choices=QUANTIZATION_CHOICES)

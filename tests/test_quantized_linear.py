@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from gracelm import Engine, SamplingParams
 from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
 from gracelm.model.block_linear import BlockLinear
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
@@ -212,7 +213,8 @@ def decode_logits(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> tor
 def description(form: str, dtype: torch.dtype, qtype: Q) -> str:
     """How the log describes a model's low-bit form, for decode steps of how many rows."""
     if form == "blocks":
-        return "the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels) for every step"
+        return ("the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels) for decode steps of "
+                f"<= {BLOCK_MAX_ROWS} rows")
     halves = qtype == Q.Q8_0 and dtype == torch.bfloat16
     return (f"int4 (group 32, bfloat16 scales) for decode steps of <= {int4_rows_for(dtype)} rows"
             f"{f' (8-bit matrices as 4-bit halves: <= {HALVES_MAX_ROWS})' if halves else ''}")
@@ -232,9 +234,9 @@ def test_a_4bit_gguf_model_serves_decode_steps_through_its_low_bit_form(tmp_path
     loaded.freeze()
     assert not loaded.int4  # handed over
     dense_kernel = DENSE_BF16 if loaded.dtype == torch.bfloat16 else "float32 F.linear"
-    above = "" if form == "blocks" else f"{dense_kernel} above and for prompts, "
     assert describe_linear_kernels(loaded.model).startswith(
-        f"{description(form, loaded.dtype, qtype)}, {above}for {2 * 4 + 1} of {2 * 4 + 1} matmuls")
+        f"{description(form, loaded.dtype, qtype)}, {dense_kernel} above and for prompts, "
+        f"for {2 * 4 + 1} of {2 * 4 + 1} matmuls")
     dense = load_model(path, dtype="bfloat16", quantization="none")
     assert not dense.int4
     dense.freeze()
@@ -252,14 +254,17 @@ def test_a_4bit_gguf_model_serves_decode_steps_through_its_low_bit_form(tmp_path
     assert low_bit_error <= 3 * dense_error, (low_bit_error, dense_error)
 
 
-def test_prompt_rows_take_the_dense_weights_however_few_beside_torchs_int4_form(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", FORMS)
+def test_prompt_rows_take_the_dense_weights_however_few(tmp_path: Path, form: str) -> None:
     """A prompt's tail of 2 rows (what is left when the prefix cache served its head) runs dense, as the
-    whole prompt does; a decode step of 2 rows runs torch's int4 kernel."""
-    loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16", quantization="int4")
+    whole prompt does, and so does a step mixing decode tokens and a prompt; a decode step of 2 rows runs
+    the low-bit form."""
+    loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16", quantization=form)
     loaded.freeze()
-    assert INT4_OP not in kernels_of_step(loaded, [4], 0)  # a prompt's head
-    assert INT4_OP not in kernels_of_step(loaded, [2], 4)  # its tail: 2 rows, still a prompt's
-    assert INT4_OP in kernels_of_step(loaded, [1, 1], 6)  # two decode tokens
+    assert FORM_OPS[form] not in kernels_of_step(loaded, [4], 0)  # a prompt's head
+    assert FORM_OPS[form] not in kernels_of_step(loaded, [2], 4)  # its tail: 2 rows, still a prompt's
+    assert FORM_OPS[form] not in kernels_of_step(loaded, [1, 3], 4)  # decode and prompt rows together
+    assert FORM_OPS[form] in kernels_of_step(loaded, [1, 1], 6)  # two decode tokens
 
 
 def kernels_of_step(loaded: LoadedModel, query_lens: list[int], start: int) -> set[str]:
@@ -292,16 +297,18 @@ def test_8bit_halves_serve_bfloat16_steps_of_few_rows_only(tmp_path: Path) -> No
 
 
 @no_vnni
-def test_the_blocks_serve_every_step_prompts_and_8bit_matrices_too(tmp_path: Path) -> None:
-    """The blocks' kernel multiplies Q8_0 blocks as they are (no halves), and serves every step: decode
-    steps of any count, a prompt, its tail after a prefix-cache hit; no dense matmul runs at all."""
+def test_the_blocks_serve_decode_steps_of_any_count_8bit_matrices_too(tmp_path: Path) -> None:
+    """The blocks' kernel multiplies Q8_0 blocks as they are (no halves): 4- and 8-bit matrices alike serve
+    decode steps of one row and of 130 (beyond torch's int4 crossover and the graphs) with no dense
+    matmul at all."""
     for qtype in (Q.Q8_0, Q.Q4_1):
         loaded = load_model(tiny_gguf(tmp_path / f"{qtype.name}.gguf", qtype), dtype="bfloat16",
                             quantization="blocks")
         loaded.freeze()
-        for query_lens, start in (([1] * 130, 6), ([4], 0), ([2], 4), ([9, 1, 1], 3)):
-            ops = kernels_of_step(loaded, query_lens, start)
-            assert BLOCK_OP in ops and not {"mkldnn::_linear_pointwise", "aten::linear"} & ops, query_lens
+        assert loaded.model.model.int4_gate.max_rows == BLOCK_MAX_ROWS
+        for rows in (1, 130):
+            ops = kernels_of_step(loaded, [1] * rows, 6)
+            assert BLOCK_OP in ops and not {"mkldnn::_linear_pointwise", "aten::linear"} & ops, rows
 
 
 def test_float32_asked_and_none_keep_dense_weights(tmp_path: Path) -> None:

@@ -17,12 +17,15 @@ for every row and does twice bfloat16's multiply-adds per instruction. Its error
 8-bit rounding beside the file's own 4-bit one (`bench/perplexity.py` measures the model's: llama.cpp's
 to the fourth digit).
 
-It serves every step, prompts included (`quantized_linear.rows_for`): against bfloat16 oneDNN on the
-default model's 30 layers (4-bit matrices of the real shapes, 2 threads, a Zen 5; medians of interleaved
-runs), time of this kernel over oneDNN's: 0.33 at 1 row, 0.40 at 8, 0.55 at 16, 0.60 at 32, 0.78 at 64,
-0.77 at 128-256, 0.94-0.96 at 512-1,024; its 8-bit logits head 0.51, 0.52, 0.71, 0.82, 0.84, 0.83-0.93.
-One kernel for every row also keeps a prompt's logits the same whether the prefix cache served its head
-or not (a row's result does not depend on its step's other rows).
+It serves decode steps of any count (`MAX_ROWS`, `quantized_linear.rows_for`): against bfloat16 oneDNN
+on the default model's 30 layers (4-bit matrices of the real shapes, 2 threads, a Zen 5; medians of
+interleaved runs), time of this kernel over oneDNN's: 0.33 at 1 row, 0.40 at 8, 0.55 at 16, 0.60 at 32,
+0.78 at 64, 0.77 at 128-256, 0.94-0.96 at 512-1,024; its 8-bit logits head 0.51, 0.52, 0.71, 0.82,
+0.84, 0.83-0.93. Prompts keep the dense bfloat16 weights (`quantized_linear.Int4Gate`), as with torch's
+int4 kernel: their logits choose a reply's first token, where the small default model has near ties that
+8-bit activations flip ("What is the capital of France?" as a chat: "L" 24.88 against "The" 24.75, and
+the reply "L'Étoile, la Marseillaise, ...", llama-server's own; bfloat16 activations: "The" 25.50 against
+"L" 25.38, "The capital of France is Paris.").
 
 The layout (`pack`): the outputs in tiles of 16 (one vector of sums), each tile's blocks in input order,
 a record per (tile, block): the 16 × 32 q as 8 vectors of 64 bytes, vector j holding inputs 4j..4j+3 of
@@ -45,6 +48,9 @@ from gracelm.model.kernel_library import LOADED
 # Inputs per block (GGUF's block size for these types) and outputs per tile.
 BLOCK = 32
 TILE = 16
+# Decode steps of at most this many rows use the kernel: every size measured (a step has at most
+# --max-num-seqs rows).
+MAX_ROWS = 1024
 # Part of the key of cached forms and compiled graphs: a change of `pack` must change it.
 LAYOUT = "blocks-1"
 

@@ -160,8 +160,7 @@ def describe_linear_kernels(module: nn.Module) -> str:
     halves = any(m.int4.halves for m in with_int4) and rows(True) != rows(False)
     halves_rows = f" (8-bit matrices as 4-bit halves: <= {rows(True)})" if halves else ""
     return (f"{with_int4[0].int4.describe()} for decode steps of <= {rows(False)} rows"
-            f"{halves_rows}, {dense} above and for prompts, for {len(with_int4)} of {len(linears)} matmuls; "
-            f"{dense} for the others")
+            f"{halves_rows}, {dense} above and for prompts, {counts}")
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
 from gracelm.model.block_linear import BlockLinear
 from gracelm.model.block_linear import serves as block_serves
 from gracelm.model.gguf_int4 import input_copies, int4_blocks
@@ -241,10 +242,10 @@ def int4_rows_for(dtype: torch.dtype) -> int:
 
 
 def rows_for(dtype: torch.dtype, form: type[LowBitForm]) -> int:
-    """The rows up to which a model of `dtype` uses its forms of type `form`: the blocks' at every step
-    (`sys.maxsize`: they beat dense oneDNN at every size measured, `block_linear.py`), torch's int4 ones
-    up to their crossover (`int4_rows_for`)."""
-    return sys.maxsize if form is BlockLinear else int4_rows_for(dtype)
+    """The rows up to which a model of `dtype` uses its forms of type `form` in decode steps: the blocks' at
+    every size measured (`block_linear.MAX_ROWS`), torch's int4 ones up to their crossover
+    (`int4_rows_for`)."""
+    return BLOCK_MAX_ROWS if form is BlockLinear else int4_rows_for(dtype)
 
 
 def halves_rows_for(dtype: torch.dtype) -> int | None:
