@@ -44,6 +44,7 @@ from gracelm.model.prompt_logprobs import prompt_logprobs
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
 from gracelm.model.token_constraints import ConstraintStates, has_constraints
 from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch, StepResult
+from gracelm.parallel.heap import keep_freed_memory
 from gracelm.parallel.layout import check_shardable, shard_config
 from gracelm.parallel.sharding import TensorParallelModel
 
@@ -88,6 +89,7 @@ class Worker:
         local_ranks = self.world_size // self.config.nnodes
         share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
         torch.set_num_threads(self.config.num_threads or share)
+        keep_freed_memory()
         self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization, self.device)
         # Freezing fuses and repacks the HF-named linears, so it comes last: after sharding, which splits them
         # (the tensor-parallel shard freezes itself once split).
