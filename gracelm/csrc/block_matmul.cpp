@@ -10,9 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 

@@ -95,8 +95,8 @@ class GGUFModel:
         return cached_weights(self.model_hash, dtype, shapes, lambda: _converted(self, dtype))
 
     def int4_matrices(self) -> dict[str, str]:
-        """GGUF name -> Hugging Face name of the matrices stored in blocks the int4 kernel takes
-        (`gguf_int4.INT4_TYPES`: 4-bit ones, and 8-bit ones as two 4-bit halves)."""
+        """GGUF name -> Hugging Face name of the matrices stored in blocks the low-bit kernels take
+        (`gguf_int4.INT4_TYPES`: 4-bit ones and Q8_0)."""
         return {gguf_name: hf_name for gguf_name, hf_name in self.names.items()
                 if self.gguf.tensors[gguf_name].ggml_type in INT4_TYPES}
 
@@ -105,14 +105,15 @@ class GGUFModel:
         Hugging Face names, from the cache or packed there."""
         blocks = self.int4_matrices()
         infos = {hf_name: self.gguf.tensors[gguf_name] for gguf_name, hf_name in blocks.items()}
+        shapes = {hf_name: (info.shape[0], info.shape[1]) for hf_name, info in infos.items()}
+        parts = {hf_name: form.stored_form_of(shapes[hf_name], info.ggml_type)
+                 for hf_name, info in infos.items()}
         expected = {f"{hf_name}.{part}": stored
-                    for hf_name, info in infos.items()
-                    for part, stored in form.stored_form_of(tuple(info.shape[:2]), info.ggml_type).items()}
+                    for hf_name, stored_parts in parts.items() for part, stored in stored_parts.items()}
         tensors = cached_tensors(self.model_hash, form.layout(), expected,
                                  lambda: _converted_forms(self, blocks, form))
-        return {hf_name: form.from_tensors({part: tensors[f"{hf_name}.{part}"] for part in
-                                            form.stored_form_of(tuple(info.shape[:2]), info.ggml_type)},
-                                           tuple(info.shape[:2]), info.ggml_type)
+        return {hf_name: form.from_tensors({part: tensors[f"{hf_name}.{part}"] for part in parts[hf_name]},
+                                           shapes[hf_name], info.ggml_type)
                 for hf_name, info in infos.items()}
 
 
@@ -123,10 +124,7 @@ def _converted(model: GGUFModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     weights = {}
     for gguf_name, hf_name in load_progress(model.names.items(), len(model.names), "converting weights"):
         weight = _dequantized(gguf, gguf.tensors[gguf_name])
-        part = gguf_name.split(".")[-2]
-        if part in rotary_heads:
-            weight = _unpermute_rotary(weight, rotary_heads[part])
-        weights[hf_name] = weight.to(dtype)
+        weights[hf_name] = _in_hf_row_order(gguf_name, weight, rotary_heads).to(dtype)
     return weights
 
 
@@ -139,10 +137,7 @@ def _converted_forms(model: GGUFModel, blocks: dict[str, str], form: type[LowBit
     tensors = {}
     for gguf_name, hf_name in load_progress(blocks.items(), len(blocks), "packing 4/8-bit weights"):
         info = gguf.tensors[gguf_name]
-        raw = gguf.raw_tensor(info)
-        part = gguf_name.split(".")[-2]
-        if part in rotary_heads:
-            raw = _unpermute_rotary(torch.from_numpy(raw), rotary_heads[part]).numpy()
+        raw = _in_hf_row_order(gguf_name, torch.from_numpy(gguf.raw_tensor(info)), rotary_heads).numpy()
         for name, tensor in form.from_file(raw, info.ggml_type).tensors().items():
             tensors[f"{hf_name}.{name}"] = tensor
     return tensors
@@ -182,6 +177,13 @@ def _rotary_permuted_heads(gguf: GGUFFile, config: ModelConfig) -> dict[str, int
     if gguf.metadata.get("general.architecture") != "llama":
         return {}
     return {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+
+
+def _in_hf_row_order(gguf_name: str, rows: torch.Tensor, rotary_heads: dict[str, int]) -> torch.Tensor:
+    """The rows of the GGUF tensor `gguf_name` (its values, or its stored blocks) in Hugging Face's order:
+    llama.cpp's rotary permutation undone where it applied one (`_rotary_permuted_heads`)."""
+    part = gguf_name.split(".")[-2]
+    return _unpermute_rotary(rows, rotary_heads[part]) if part in rotary_heads else rows
 
 
 def _unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:

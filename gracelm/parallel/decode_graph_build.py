@@ -1,7 +1,8 @@
 """Gets rank 0's model its compiled decode steps (`model/decode_graph.py`: one for one sequence, one for 2
-to 8) without delaying the start: loaded from the cache when they are there (0.1 s each, before the core
-says Ready), else compiled in a child process (`gracelm::compile`, niced, one thread) while the engine
-serves eagerly, and each loaded between two steps once the child has written it (one sequence's first).
+up to 64, `graph_batches`) without delaying the start: loaded from the cache when they are there (0.1 s
+each, before the core says Ready), else compiled in a child process (`gracelm::compile`, niced, one
+thread) while the engine serves eagerly, and each loaded between two steps once the child has written it
+(one sequence's first).
 A start that finds no package therefore serves at eager speed for a minute or two (the default model on
 this project's machine: about 45 s, then 40 s more, with the attention a compiled op of its own); every
 later start of the same model, torch and CPU is fast from its first step.
