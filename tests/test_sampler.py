@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from gracelm.model.sampler import SamplerOutput, SamplingMetadata, make_generator, sample
+from gracelm.model.sampler import SamplerOutput, SamplingMetadata, greedy, make_generator, sample
 from gracelm.sampling_params import SamplingParams
 from tests.devices import TEST_DEVICE
 
@@ -326,3 +326,15 @@ def test_non_finite_logits_stay_in_their_row():
     assert [tokens[0], tokens[4]] == alone.token_ids.tolist()
     assert out.logprobs is not None and bool(torch.isfinite(out.logprobs).all())
     assert out.top_logprobs is not None and bool(torch.isfinite(out.top_logprobs).all())
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 50257, 97])  # chunks of 1,024, 1,000, 1,733; none (prime)
+@pytest.mark.parametrize("rows", [0, 1, 5, 32])
+def test_greedy_is_argmax_with_ties_to_the_lowest_id(vocab: int, rows: int) -> None:
+    generator = torch.Generator().manual_seed(vocab + rows)
+    logits = torch.randn(rows, vocab, generator=generator)
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+    if rows:
+        logits[:, [3, vocab // 2, vocab - 1]] = 1e30  # a tie across chunks: the first one wins
+        logits[0] = -torch.inf  # nothing possible: token 0, as argmax says
+        assert greedy(logits).tolist() == [0] + [3] * (rows - 1) == logits.argmax(dim=-1).tolist()
