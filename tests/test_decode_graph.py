@@ -65,7 +65,8 @@ def decode_batch(contexts: list[int], tables: torch.Tensor) -> ForwardBatch:
 
 @pytest.mark.parametrize(("contexts"), [[0], [1], [15], [16], [17], [100], [MAX_CONTEXT - 1], [3, 40],
                                         [16, 0, 200, 33, 31], [MAX_CONTEXT - 1, 5, 17, 64, 1, 0, 300, 48],
-                                        [BLOCK, 3, 9], [17 * i % 300 + 16 for i in range(12)],
+                                        [BLOCK, 3, 9], [3, 0, 14], [BLOCK - 1] * 5,
+                                        [17 * i % 300 + 16 for i in range(12)],
                                         [29 * i % 700 + 16 for i in range(33)]], ids=lambda c: str(c)[:40])
 def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, contexts: list[int]) -> None:
     """Mixed lengths, blocks in no order and none contiguous, of one sequence and of several (more than 8
@@ -113,8 +114,8 @@ def test_each_graph_serves_its_sequences_of_a_bounded_context_only(compiled) -> 
     assert few.serves(decode_batch([BLOCK] * most, tables[:most]))
     assert not one.serves(decode_batch([BLOCK, 4], tables[:2]))
     assert not few.serves(decode_batch([BLOCK] * (most + 1), tables))  # above the forms' rows
-    # Several sequences all within one block: eager (the graph of several wants two blocks or more).
-    assert not few.serves(decode_batch([3, BLOCK - 1], tables[:2]))
+    # Several sequences all within one block: compiled too (given a second, masked block).
+    assert few.serves(decode_batch([3, BLOCK - 2], tables[:2]))
     assert few.serves(decode_batch([3, BLOCK], tables[:2]))
     assert not one.serves(decode_batch([MAX_CONTEXT], tables[:1]))  # longer: eager is faster there
     prompt = ForwardBatch(input_ids=torch.tensor([1, 2]), positions=torch.tensor([0, 1]),
