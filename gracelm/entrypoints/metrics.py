@@ -240,6 +240,10 @@ class RequestTracker:
                  max_tokens: int | None) -> None:
         self._m = metrics
         self._label = metrics._label
+        # The per-token metrics' children, looked up once: a lookup per token was a third of the cost of
+        # counting it.
+        self._itl = metrics.itl.labels(**self._label)
+        self._generation_tokens = metrics.generation_tokens.labels(**self._label)
         self._arrival = time.monotonic()
         self._last: float | None = None
         self._num_prompt_tokens = num_prompt_tokens
@@ -257,8 +261,8 @@ class RequestTracker:
             self._m.prompt_tokens.labels(**self._label).inc(self._num_prompt_tokens)
             self._m.totals["prompt_tokens"] += self._num_prompt_tokens
         else:
-            self._m.itl.labels(**self._label).observe(now - self._last)
-        self._m.generation_tokens.labels(**self._label).inc(num_new)
+            self._itl.observe(now - self._last)
+        self._generation_tokens.inc(num_new)
         self._num_generated += num_new
         self._m.totals["generation_tokens"] += num_new
         self._m.throughput.add(num_new)
