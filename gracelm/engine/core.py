@@ -47,6 +47,7 @@ from gracelm.lifecycle.heartbeat import Heartbeat
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.processes import exit_process
 from gracelm.lifecycle.stacks import catches_signal
+from gracelm.lifecycle.startup_objects import freeze_startup_objects
 from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.parallel.executor import Executor
 
@@ -316,6 +317,7 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
                                             dataclasses.asdict(core.model_config), core.tokenizer.to_dict(),
                                             _startup_marks())))
     proc = EngineCoreProc(core, input_socket, output_socket, heartbeat)
+    freeze_startup_objects()
     try:
         proc.run()
     except Exception as e:

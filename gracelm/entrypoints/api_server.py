@@ -15,7 +15,6 @@ served only once the engine is ready, as before.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import socket
@@ -39,6 +38,7 @@ from gracelm.lifecycle.sd_notify import SdNotify
 from gracelm.lifecycle.server_state import Lifecycle, ServerState
 from gracelm.lifecycle.service_notifier import ServiceNotifier
 from gracelm.lifecycle.signals import HANDLED_SIGNALS, SignalHandler, SignalPolicy, StartupInterrupted
+from gracelm.lifecycle.startup_objects import freeze_startup_objects
 from gracelm.lifecycle.supervisor import Supervisor
 from gracelm.model.model_files import resolve_model_path
 
@@ -141,9 +141,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
         supervisor.server = server
         _start_notifier(notifier, server, state, engine, ledger)
         logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
-        # What start-up made (modules, the app, the tokenizer) lives until the exit: kept out of the cyclic
-        # garbage collector, whose full passes over it otherwise held the event loop for tens of ms.
-        gc.freeze()
+        freeze_startup_objects()
         await server.serve(sockets=[sock])
         logger.info("HTTP server stopped")
     finally:

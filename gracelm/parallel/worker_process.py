@@ -26,6 +26,7 @@ from gracelm.config import EngineConfig
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import exit_process
+from gracelm.lifecycle.startup_objects import freeze_startup_objects
 from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.parallel import messages as m
 from gracelm.parallel.distributed import (
@@ -80,6 +81,7 @@ class WorkerProcess:
     def run(self, store_host: str, store_port: int) -> int:
         try:
             self._start(store_host, store_port)
+            freeze_startup_objects()
             self._serve()
         except Exception as e:  # noqa: BLE001 - any failure of a rank is fatal, reported, then released
             logger.exception("worker rank %d failed", self.rank)
