@@ -22,6 +22,8 @@ import threading
 from multiprocessing import resource_tracker
 from typing import NoReturn
 
+import uvloop
+
 import gracelm.startup_timeline as startup_timeline
 from gracelm.batch.journal import Journal
 from gracelm.config import EngineConfig
@@ -62,7 +64,11 @@ def _run(config: EngineConfig, settings: ServerConfig) -> ExitCode:
         return ExitCode.STARTUP_FAILURE
     startup_timeline.mark("bind")
     with sock:
-        return asyncio.run(_serve(config, settings, sock))
+        # uvloop's event loop: at 32 streams of ~1,000 tok/s on 2 cores, the HTTP process took 10-15 % less
+        # CPU than on asyncio's own, and the engine core beside it streamed 8-24 % more tokens a second
+        # (three alternating runs of `bench/serve.py run --concurrency 32 --max-tokens 128`).
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(_serve(config, settings, sock))
 
 
 def _bind(host: str, port: int) -> socket.socket:
