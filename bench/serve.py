@@ -2,10 +2,10 @@
 
 Fixed-seed prompts, a fixed number of concurrent clients, streaming chat completions (or plain
 completions, `--endpoint completions`); reports request throughput, output tokens/s, time to first token
-(TTFT) and inter-token latency (ITL) p50 / p99. The clients are aiohttp's (`pip install -e '.[bench]'`):
-the load generator shares the machine with the server it measures, and httpx's streaming took twice the
-CPU (2.2 s against 1.0 s for 96 requests of 128 tokens at 32 streams, ~900 tok/s), taken from whichever
-server streams fastest.
+(TTFT) and inter-token latency (ITL) p50 / p99. The clients are aiohttp's (`pip install -e '.[bench]'`), on
+uvloop's event loop: the load generator shares the machine with the server it measures, and httpx's
+streaming took twice the CPU (2.2 s against 1.0 s for 96 requests of 128 tokens at 32 streams, ~900
+tok/s), taken from whichever server streams fastest.
 
     python bench/serve.py run --base-url http://127.0.0.1:8000 --concurrency 1 8 32
     python bench/serve.py setup-llama-cpp              # builds llama.cpp's llama-server in its own folder
@@ -52,6 +52,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import uvloop
 
 BENCH_CACHE = Path.home() / ".cache/gracelm-bench"
 LLAMA_DIR = Path(os.environ.get("GRACELM_BENCH_LLAMA_DIR", BENCH_CACHE / "llama.cpp"))
@@ -452,7 +453,7 @@ def compare(args: argparse.Namespace) -> dict:
                 server.wait_ready()
                 if label == "gracelm":
                     server.wait_compiled()
-                rows = asyncio.run(bench(server.base_url, None, Load.from_args(args)))
+                rows = uvloop.run(bench(server.base_url, None, Load.from_args(args)))
             finally:
                 server.stop()
             results[label] += [{**row, "repeat": repeat} for row in rows]
@@ -535,7 +536,7 @@ def main() -> int:
     if args.command == "run":
         if args.json_schema_fraction and not all(0 <= f <= 1 for f in args.json_schema_fraction):
             parser.error("--json-schema-fraction: each fraction must be between 0 and 1")
-        rows = asyncio.run(bench(args.base_url, args.model, Load.from_args(args)))
+        rows = uvloop.run(bench(args.base_url, args.model, Load.from_args(args)))
         print_table(args.base_url, rows)
         if args.json_schema_fraction:
             print_mix(rows)
