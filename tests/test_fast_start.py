@@ -161,37 +161,6 @@ def test_the_kv_cache_is_zero_and_writable() -> None:
     assert caches[0].sum() == 4 * 8 * 1.5 and not caches[1].any()  # layers do not share memory
 
 
-def _smaps_entry(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds `address`."""
-    entry: dict[str, str] | None = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        name, _, rest = line.partition(" ")
-        if "-" in name and not name.endswith(":"):  # a mapping's first line: its address range
-            if entry is not None:
-                break
-            start, end = (int(x, 16) for x in name.split("-"))
-            entry = {} if start <= address < end else None
-        elif entry is not None:
-            entry[name.rstrip(":")] = rest.strip()
-    assert entry is not None, f"no mapping holds {address:#x}"
-    return entry
-
-
-def test_the_kv_cache_maps_memory_only_where_written_in_huge_pages() -> None:
-    config = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 8,
-                                         "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 1,
-                                         "num_attention_heads": 4, "num_key_value_heads": 2,
-                                         "max_position_embeddings": 64, "rms_norm_eps": 1e-6})
-    cache = allocate_kv_cache(config, num_blocks=8192, block_size=16, dtype=torch.bfloat16)[0]  # 16 MiB
-    assert _smaps_entry(cache.data_ptr())["Rss"] == "0 kB"
-    cache[0, 0, 0] = 1.0
-    mapped_kb = int(_smaps_entry(cache.data_ptr())["Rss"].split()[0])
-    assert 0 < mapped_kb <= 2048  # one page: 4 KB, or one huge page of 2 MB
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.exists() and "[never]" not in thp.read_text():
-        assert "hg" in _smaps_entry(cache.data_ptr())["VmFlags"].split()  # MADV_HUGEPAGE took
-
-
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

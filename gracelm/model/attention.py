@@ -28,7 +28,6 @@ value sums are per row, and the padding adds exact zeros.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 from dataclasses import dataclass
@@ -65,19 +64,11 @@ def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor over fresh anonymous memory: the kernel's pages are zero already and are only
     mapped in when first written, so a cache of a gigabyte costs no memset at start (`torch.zeros` took
     1-2 s for the default model's 1 GiB) and memory grows only as blocks are used. The tensor keeps the
-    mapping alive; it is unmapped with the tensor's last reference.
-
-    Asked for in transparent huge pages where the kernel has them (`MADV_HUGEPAGE`; "madvise" is the common
-    setting): the first write of each 2 MB maps it at once instead of 512 faults of 4 KB. New blocks are
-    taken before cached ones are evicted, so a fresh server writes untouched memory for a long while: at 32
-    streams those faults, taken inside the decode step's KV write, were 4 % of the core's CPU (82,000 per
-    96 requests of 128 tokens; 5,000 with huge pages)."""
+    mapping alive; it is unmapped with the tensor's last reference."""
     count = math.prod(shape)
     if count == 0:  # no memory to map
         return torch.zeros(shape, dtype=dtype)
     memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KB pages
-        memory.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
 
 
