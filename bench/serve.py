@@ -146,6 +146,10 @@ ENDPOINTS = {
 }
 
 
+def auth_headers(load: Load) -> dict[str, str]:
+    return {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+
+
 async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, load: Load,
                     json_fraction: float | None = None) -> dict:
     """Runs every prompt with `concurrency` clients at once; returns the level's summary. With
@@ -154,11 +158,10 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
     for i, prompt in enumerate(prompts):
         queue.put_nowait((prompt, None if json_fraction is None else _mix_extra(i, json_fraction)))
     results: list[RequestResult] = []
-    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
     # A connection per request: llama-server closes a kept-alive connection after some streamed answers,
     # and the next request sent on it fails at once without reaching the server.
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
-    async with aiohttp.ClientSession(base_url, headers=headers, connector=connector,
+    async with aiohttp.ClientSession(base_url, headers=auth_headers(load), connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=600)) as client:
         async def worker() -> None:
             while not queue.empty():
@@ -236,9 +239,9 @@ class Load:
 
 async def bench(base_url: str, model: str | None, load: Load) -> list[dict]:
     if model is None:
-        headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
-        async with httpx.AsyncClient(base_url=base_url, headers=headers) as client:
-            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        async with aiohttp.ClientSession(base_url, headers=auth_headers(load)) as client:
+            async with client.get("/v1/models", raise_for_status=True) as response:
+                model = (await response.json())["data"][0]["id"]
     # One warm-up request, so that the first level does not pay for lazy initialisation.
     await run_level(base_url, model, make_prompts(1, load.seed + 1), 1, replace(load, max_tokens=8))
     rows = []
