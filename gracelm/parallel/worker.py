@@ -38,6 +38,7 @@ from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache
 from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.device import resolve_device
 from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.kv_cache_commit import KVCacheCommit
 from gracelm.model.llama import describe_linear_kernels
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.prompt_logprobs import prompt_logprobs
@@ -70,6 +71,7 @@ class Worker:
         self.loaded: LoadedModel | None = None
         self.shard: TensorParallelModel | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self._kv_commit: KVCacheCommit | None = None
         self.num_kv_blocks = 0
         self._generators: dict[str, torch.Generator] = {}
         self._constraints: ConstraintStates | None = None  # made at the first constrained request
@@ -136,6 +138,8 @@ class Worker:
         self.num_kv_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
                                            self.loaded.dtype, self.device)
+        if self.kv_caches and self.device.type == "cpu":  # a CUDA cache is allocated whole
+            self._kv_commit = KVCacheCommit(self.kv_caches, f"rank {self.rank}")
         if self.kv_caches:
             logger.info("rank %d decode attention: %s", self.rank,
                         decode_attention.describe(self.kv_caches[0], self.config.deterministic))
@@ -274,6 +278,9 @@ class Worker:
                               .permute(1, 2, 0, 3, 4))
 
     def free_kv_cache(self) -> None:
+        if self._kv_commit is not None:  # its thread maps pages of these caches
+            self._kv_commit.stop()
+            self._kv_commit = None
         self.kv_caches = []
 
     def free_model(self) -> None:
