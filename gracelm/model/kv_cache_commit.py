@@ -10,10 +10,12 @@ engine per run; with the cache committed first, 1,090-1,290 output tok/s against
 
 A thread asks the kernel to map the pages as if written, without writing them (MADV_POPULATE_WRITE, Linux
 5.14+), so blocks the model fills meanwhile keep their contents. It runs at SCHED_IDLE, only when a CPU has
-nothing else to do, in the allocator's order (lowest block ids first, every layer), a few hundred KB per
-call so that a stop is prompt. The memory is then held soon after start, as vLLM and llama-server hold
-theirs: an overcommitted host shows within seconds of start, not hours later when the cache first fills.
-Where the kernel lacks the call, pages are mapped on first write as before (logged).
+nothing else to do, in the allocator's order (lowest block ids first, every layer), 64 KB per call. It
+starts once the rest of the start is done (`Worker.commit_kv_cache`): its calls hold the memory-map lock
+that loading the decode graphs' libraries waits for (starts were 1 s longer). The memory is then held soon
+after start, as vLLM and llama-server hold theirs: an overcommitted host shows within seconds of start, not
+hours later when the cache first fills. Where the kernel lacks the call, pages are mapped on first write as
+before (logged).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
-_BYTES_PER_CALL = 256 << 10  # of one layer's K or V plane of one head: a stop waits for one call at most
+# Of one layer's K or V plane of one head, per call: the call holds the process's memory-map lock (for
+# reading), and an idle-priority thread may be preempted inside; a stop waits for one call at most.
+_BYTES_PER_CALL = 64 << 10
 
 
 class KVCacheCommit:

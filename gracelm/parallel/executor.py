@@ -108,6 +108,7 @@ class Executor:
             self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
         elif graph_applies(self.config, self._driver.loaded, self.layout.world_size):
             self.graph_build = DecodeGraphBuild(self.config, self._driver.loaded, self.ledger)
+        self._driver.commit_kv_cache()
 
     def execute(self, step: ModelStep) -> StepResult:
         """Runs one step on every rank; the sampled token of each row of `step.request_ids`, in order (a

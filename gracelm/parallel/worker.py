@@ -138,8 +138,6 @@ class Worker:
         self.num_kv_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
                                            self.loaded.dtype, self.device)
-        if self.kv_caches and self.device.type == "cpu":  # a CUDA cache is allocated whole
-            self._kv_commit = KVCacheCommit(self.kv_caches, f"rank {self.rank}")
         if self.kv_caches:
             logger.info("rank %d decode attention: %s", self.rank,
                         decode_attention.describe(self.kv_caches[0], self.config.deterministic))
@@ -276,6 +274,12 @@ class Worker:
             part = rows[:, index * per_layer:(index + 1) * per_layer].contiguous().view(cache.dtype)
             cache.index_copy_(2, ids, part.reshape(len(block_ids), 2, heads, block_size, head_dim)
                               .permute(1, 2, 0, 3, 4))
+
+    def commit_kv_cache(self) -> None:
+        """Starts mapping in the CPU cache's pages in the background (`kv_cache_commit.py`); once the rest
+        of the start is done: the thread's memory calls would slow its file mappings."""
+        if self.kv_caches and self.device.type == "cpu":  # a CUDA cache is allocated whole
+            self._kv_commit = KVCacheCommit(self.kv_caches, f"rank {self.rank}")
 
     def free_kv_cache(self) -> None:
         if self._kv_commit is not None:  # its thread maps pages of these caches

@@ -128,6 +128,7 @@ class WorkerProcess:
                 self.ledger.acquire(ResourceKind.KV_CACHE, f"{message.num_blocks} blocks, rank {self.rank}",
                                     self.worker.free_kv_cache)
                 self._send(m.KVCacheReady())
+                self.worker.commit_kv_cache()
             elif isinstance(message, m.SaveKVBlocks):
                 self._send(save_shard(self.worker, message))
             elif isinstance(message, m.RestoreKVBlocks):
