@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from gracelm.arith import cdiv
 from gracelm.cache_dir import cache_dir, mtime
@@ -101,15 +102,21 @@ class _DecoderStack(nn.Module):
 class DecodeGraph:
     """A loaded package: the decoder stack of the decode tokens of `rows` sequences, compiled."""
 
-    def __init__(self, runner: object, rows: range, block_size: int) -> None:
+    def __init__(self, runner: torch._C._aoti.AOTIModelPackageLoader, rows: range, block_size: int) -> None:
         self.runner = runner
+        in_spec, out_spec = (pytree.treespec_loads(spec) for spec in runner.get_call_spec())
+        if out_spec.num_leaves != 1:
+            raise ValueError(f"a decode graph gives one tensor; this package gives {out_spec.num_leaves}")
+        self.num_inputs = in_spec.num_leaves
         self.rows = rows
         self.block_size = block_size
         self.min_blocks = _min_blocks(rows)
 
     @classmethod
     def load(cls, path: Path, rows: range, block_size: int) -> DecodeGraph:
-        runner = torch._inductor.aoti_load_package(str(path))
+        # torch's `aoti_load_package` wraps this loader, but importing it imports inductor and dynamo (1.4 s
+        # of a start), and its call parses the call spec and flattens the arguments at every step.
+        runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         with contextlib.suppress(OSError):
             os.utime(path)  # most recently used
         return cls(runner, rows, block_size)
@@ -129,7 +136,10 @@ class DecodeGraph:
             block_ids = F.pad(block_ids, (0, missing))  # block 0: masked, past every length, never read
             mask = F.pad(mask, (0, positions), value=float("-inf"))
             slots = F.pad(slots, (0, positions))
-        return self.runner(x, cos, sin, meta.slot_mapping, block_ids, mask, slots, group.lengths, kv_caches)
+        inputs = [x, cos, sin, meta.slot_mapping, block_ids, mask, slots, group.lengths, *kv_caches]
+        if len(inputs) != self.num_inputs:
+            raise ValueError(f"the decode graph takes {self.num_inputs} tensors, given {len(inputs)}")
+        return self.runner.boxed_run(inputs)[0]
 
 
 def graph_batches(model: nn.Module) -> tuple[range, ...]:
