@@ -86,8 +86,11 @@ def test_the_commit_runs_at_idle_priority_and_stops_on_demand() -> None:
 
 
 def test_a_server_commits_its_kv_cache_after_start(tmp_path: Path) -> None:
-    model, memory_mib = make_tiny_model(tmp_path / "tiny"), 64
-    with ServerProcess(model, "--kv-cache-memory", f"{memory_mib}MiB", "--max-num-seqs", "4096") as server:
+    # 1 GiB: several times the rest of the engine's memory (~320 MB with a tiny model), so that the RSS
+    # shows the cache committed. (--max-num-seqs: without it the sizing caps the cache to what the default
+    # count of full-length requests can use.)
+    model, memory_mib = make_tiny_model(tmp_path / "tiny"), 1024
+    with ServerProcess(model, "--kv-cache-memory", f"{memory_mib}MiB", "--max-num-seqs", "65536") as server:
         deadline = time.monotonic() + 60
         while (found := re.search(r"KV cache committed, (\d+) MiB", server.log())) is None:
             assert time.monotonic() < deadline, server.log()[-3000:]
