@@ -27,7 +27,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -44,7 +44,7 @@ class KVCacheCommit:
     contiguous); `stop` before the caches are freed."""
 
     def __init__(self, caches: list[torch.Tensor], label: str) -> None:
-        self._ranges = list(_block_order_ranges(caches))
+        self._ranges = _block_order_ranges(caches)  # walked by the thread
         self._bytes = sum(cache.numel() * cache.element_size() for cache in caches)
         self._label = label
         self._stop = threading.Event()
@@ -82,7 +82,7 @@ class KVCacheCommit:
                            self._label, os.strerror(code))
 
 
-def _madvise():
+def _madvise() -> Callable[[int, int, int], int]:
     libc = ctypes.CDLL(None, use_errno=True)  # a foreign call releases the GIL for its duration
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
