@@ -152,7 +152,8 @@ class EngineConfig:
                                                "chunked)", check=at_least(1))
     block_size: int = option(16, "tokens per KV-cache block", check=at_least(1))
     kv_cache_memory: str | int | None = option(None, "KV-cache size, e.g. 2GiB (default: a share of the "
-                                                     "available memory)", check=_size)
+                                                     "available memory, at most 1GiB on a CPU, where it is "
+                                                     "committed in the background after start)", check=_size)
     enable_prefix_caching: bool = option(True, "reuse the KV cache of identical prompt prefixes")
     kv_cache_dir: str | None = option(None, "keep the prefix cache across restarts in this directory: saved "
                                             "at a graceful stop, restored at start (default: off)")
