@@ -27,6 +27,7 @@ from gracelm.model.loader import load_model
 from gracelm.model.tokenizer_cache import entry_path as tokenizer_entry
 from gracelm.model.weight_cache import MAX_ENTRIES, cached_weights
 from gracelm.model.weight_cache import entry_path as weights_entry
+from tests.resident_memory import resident_kb
 from tests.server_process import ServerProcess
 from tests.test_gguf import gguf_layout, hf_model, run_prefill, write_gguf
 from tests.tiny_models import tiny_model
@@ -161,28 +162,15 @@ def test_the_kv_cache_is_zero_and_writable() -> None:
     assert caches[0].sum() == 4 * 8 * 1.5 and not caches[1].any()  # layers do not share memory
 
 
-def _mapped_kb(address: int) -> int:
-    """Rss of the /proc/self/smaps mapping that holds `address`."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        name, _, rest = line.partition(" ")
-        if "-" in name and not name.endswith(":"):  # a mapping's first line: its address range
-            start, end = (int(x, 16) for x in name.split("-"))
-            inside = start <= address < end
-        elif inside and name == "Rss:":
-            return int(rest.split()[0])
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 def test_the_kv_cache_maps_memory_only_where_written() -> None:
     config = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 8,
                                          "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 1,
                                          "num_attention_heads": 4, "num_key_value_heads": 2,
                                          "max_position_embeddings": 64, "rms_norm_eps": 1e-6})
     cache = allocate_kv_cache(config, num_blocks=8192, block_size=16, dtype=torch.bfloat16)[0]  # 16 MiB
-    assert _mapped_kb(cache.data_ptr()) == 0
+    assert resident_kb(cache) == 0
     cache[0, 0, 0] = 1.0  # one block of keys
-    assert 0 < _mapped_kb(cache.data_ptr()) <= 2048  # a page: 4 KB (2 MB where every mapping is huge)
+    assert 0 < resident_kb(cache) <= 2048  # a page: 4 KB (2 MB where every mapping is huge)
 
 
 class _Terminal(io.StringIO):

@@ -3,8 +3,6 @@ meanwhile lost, at idle priority, stopped on demand; a server commits its cache 
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import re
 import threading
@@ -17,6 +15,7 @@ import torch
 from gracelm.config import ModelConfig
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.kv_cache_commit import KVCacheCommit
+from tests.resident_memory import resident_kb
 from tests.server_process import ServerProcess
 from tests.tiny_models import make_tiny_model
 
@@ -25,17 +24,6 @@ CONFIG = ModelConfig.from_hf_config({
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
     "rms_norm_eps": 1e-6})
 BLOCK_KB = 2 * 2 * 16 * 16 * 2 // 1024  # one layer's K and V of one block: 2 heads x 16 tokens x 16 dims
-
-
-def resident_kb(cache: torch.Tensor) -> int:
-    """How much of the cache's memory is mapped in (mincore: exact to the page, whatever the kernel merged
-    its mapping with)."""
-    page, start, length = mmap.PAGESIZE, cache.data_ptr(), cache.numel() * cache.element_size()
-    assert start % page == 0 and length % page == 0
-    residency = (ctypes.c_ubyte * (length // page))()
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), residency) == 0, ctypes.get_errno()
-    return sum(1 for flags in bytes(residency) if flags & 1) * page // 1024
 
 
 def commit_thread() -> threading.Thread:
