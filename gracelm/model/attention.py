@@ -63,8 +63,9 @@ def allocate_kv_cache(
 def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor over fresh anonymous memory: the kernel's pages are zero already and are only
     mapped in when first written, so a cache of a gigabyte costs no memset at start (`torch.zeros` took
-    1-2 s for the default model's 1 GiB) and memory grows only as blocks are used. The tensor keeps the
-    mapping alive; it is unmapped with the tensor's last reference."""
+    1-2 s for the default model's 1 GiB). A serving worker then maps the pages in the background, off the
+    start and off the steps (`kv_cache_commit.py`). The tensor keeps the mapping alive; it is unmapped with
+    the tensor's last reference."""
     count = math.prod(shape)
     if count == 0:  # no memory to map
         return torch.zeros(shape, dtype=dtype)
