@@ -25,6 +25,7 @@ class StepBatch(msgspec.Struct, tag=True, array_like=True):
     # Rows whose logits are returned: each sampling sequence's last token, in batch order, then the prompt
     # positions whose logprobs a request asked for (`ModelStep.prompt_rows`).
     logits_indices: list[int]
+    prompt_lens: list[int]  # each sequence's prompt length: the rows before it are a prompt's
     sent_at: float = 0.0  # time.time() on rank 0 when sent: the broadcast latency, seen by a worker
 
 

@@ -121,7 +121,8 @@ class SchedulerOutput:
                           seq_lens=[item.start_position + item.num_new_tokens for item in self.scheduled],
                           block_tables=[item.block_ids + [0] * (width - len(item.block_ids))
                                         for item in self.scheduled],
-                          logits_indices=logits_indices + prompt_indices)
+                          logits_indices=logits_indices + prompt_indices,
+                          prompt_lens=[item.request.num_prompt_tokens for item in self.scheduled])
         sampling = [item.request for item in self.sampling]
         return ModelStep(batch, [r.request_id for r in sampling], [r.sampling_params for r in sampling],
                          [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling],

@@ -26,6 +26,18 @@ class ForwardBatch:
     seq_lens: list[int]  # [B] tokens of context per sequence after this call (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     logits_indices: torch.Tensor  # [K] int64, rows of T whose logits are returned (e.g. each last token)
+    # [B] each sequence's prompt length (the positions below it are a prompt's). None: a chunk of several
+    # tokens is taken for a prompt's, a single token for a decode step.
+    prompt_lens: list[int] | None = None
+
+    def prompt_seqs(self) -> list[int]:
+        """The sequences whose new tokens include prompt positions (a prompt's chunk, however short, or
+        tokens recomputed after a preemption)."""
+        if self.prompt_lens is None:
+            return [i for i, q in enumerate(self.query_lens) if q > 1]
+        return [i for i, (q, seq, prompt) in enumerate(zip(self.query_lens, self.seq_lens, self.prompt_lens,
+                                                             strict=True))
+                if q > 1 or seq - q < prompt]
 
     @classmethod
     def from_step_batch(cls, batch: StepBatch, device: torch.device | str = "cpu") -> ForwardBatch:
@@ -41,4 +53,5 @@ class ForwardBatch:
             seq_lens=batch.seq_lens,
             block_tables=tensor(batch.block_tables),
             logits_indices=tensor(batch.logits_indices),
+            prompt_lens=batch.prompt_lens,
         )
