@@ -174,6 +174,23 @@ def test_prefix_hits_are_counted_in_tokens():
     assert stats["prefix_cache_queries"] == 13 + 14 and stats["prefix_cache_hits"] == 12
 
 
+def test_a_step_says_each_sequence_s_prompt_length():
+    """A prefix-cache hit that leaves one prompt token to compute gives a chunk of one row, shaped like a
+    decode step's: the batch's `prompt_lens` tell the model that row is the prompt's (its logits choose the
+    first token, which the decode kernels' 8-bit activations may flip: `quantized_linear.Int4Gate`)."""
+    cfg = config(block_size=4)
+    scheduler, model = Scheduler(cfg), FakeModel(cfg)
+    prompt = list(range(1, 10))  # 2 full blocks and 1 token
+    run(scheduler, {0: [make_request("a", prompt, max_tokens=1, ignore_eos=True)]}, model)
+    scheduler.add_request(make_request("b", prompt, max_tokens=2, ignore_eos=True))
+    batches = []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        batches.append(output.model_step(cfg.block_size).batch)
+        scheduler.update_from_output(output, model.step(output))
+    assert [(b.query_lens, b.seq_lens, b.prompt_lens) for b in batches] == [([1], [9], [9]), ([1], [10], [9])]
+
+
 def test_chunked_prefill_splits_a_long_prompt():
     scheduler = Scheduler(config(max_num_batched_tokens=16, max_model_len=64))
     request = make_request("long", list(range(1, 41)), max_tokens=2, ignore_eos=True)
