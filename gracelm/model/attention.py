@@ -174,7 +174,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     num_tokens: int
     groups: list[QueryGroup]  # the decode tokens' group first, if any
-    prefills: list[PrefillSpan]  # the chunks attended by SDPA (none in batch-invariant mode)
+    prefills: list[PrefillSpan]  # the chunks of several tokens (none in batch-invariant mode)
     prefill_batch: PrefillBatch | None = None  # those of `prefills` it takes, attended together
 
     @classmethod
