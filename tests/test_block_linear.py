@@ -1,12 +1,12 @@
-"""The blocks' 8- and 16-bit-activation matmuls (`gracelm/model/block_linear.py`, built from
+"""The blocks' 8-bit-activation matmul (`gracelm/model/block_linear.py`, built from
 `gracelm/csrc/block_matmul.cpp`): GGUF's Q4_0, Q4_1 and Q8_0 blocks read as scale·q + minimum hold gguf's
-own dequantized values exactly; each kernel computes its arithmetic (activations rounded to 8 or 16 bits
-per block of 32, exact integer sums, float32 scaling) up to float32 rounding, so it errs from the exact
-product of the file's weights by no more than that rounding's bound; on whole and partial tiles of outputs,
-rows across its chunks of 8, bfloat16 and float32 activations; each row computed as if alone, whatever the
-threads; stacked forms equal their parts; bad arguments raise an error naming the kernel. The kernel is
-part of the install (scripts/bootstrap.sh builds it): where it is missing these tests fail; only a CPU
-without AVX-512 VNNI skips them."""
+own dequantized values exactly; the kernel computes its arithmetic (activations rounded to 8 bits per block
+of 32, exact integer sums, float32 scaling) up to float32 rounding, so it errs from the exact product of the
+file's weights by no more than that rounding's bound; on whole and partial tiles of outputs, rows across its
+chunks of 8, bfloat16 and float32 activations; each row computed as if alone, whatever the threads; stacked
+forms equal their parts; bad arguments raise an error naming the kernel. The kernel is part of the install
+(scripts/bootstrap.sh builds it): where it is missing these tests fail; only a CPU without AVX-512 VNNI
+skips them."""
 
 from __future__ import annotations
 
@@ -27,11 +27,6 @@ TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # (outputs, inputs): whole tiles of 16 outputs, a partial last tile, a single block of inputs, a long row.
 SHAPES = [(64, 576), (40, 96), (200, 32), (17, 1536)]
 ROWS = [1, 2, 3, 7, 8, 9, 16, 33, 129]  # across the kernel's chunks of 8 rows
-ACTIVATION_BITS = [8, 16]  # `BlockLinear.forward`, `BlockLinear.prompt_forward`
-
-
-def multiply(form: BlockLinear, x: torch.Tensor, bits: int) -> torch.Tensor:
-    return form(x) if bits == 8 else form.prompt_forward(x)
 
 
 def quantized(shape: tuple[int, int], qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -50,18 +45,16 @@ def activations(rows: int, columns: int, dtype: torch.dtype = torch.float32, see
     return x.to(dtype)
 
 
-def rounded(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activations as the kernel rounds them to `bits`: q = round(x · L / max|x|) per block of 32 (to
-    nearest even; L = 127 or 32767), and each block's scale max|x| / L, float64 [rows, K] and [rows, K /
-    32]."""
-    largest = 2 ** (bits - 1) - 1
+def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations as the kernel rounds them: q = round(x · 127 / max|x|) per block of 32 (to nearest
+    even), and each block's scale max|x| / 127, float64 [rows, K] and [rows, K / 32]."""
     blocks = x.float().view(x.shape[0], -1, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    # L / max|x| rounded once to float32, as the CPU divides (torch's float32 `L / amax` multiplies by a
+    # 127 / max|x| rounded once to float32, as the CPU divides (torch's float32 `127 / amax` multiplies by a
     # reciprocal, which may land one unit off and move a product across a rounding tie).
-    inverse = torch.where(amax > 0, (largest / amax.double()).float(), torch.zeros_like(amax))
+    inverse = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
     q = torch.round(blocks * inverse)
-    return q.view_as(x).double(), (amax / largest).squeeze(-1).double()
+    return q.view_as(x).double(), (amax / 127).squeeze(-1).double()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -76,23 +69,21 @@ def test_blocks_read_as_ggufs_own_dequantized_values(qtype: Q, shape: tuple[int,
     assert torch.equal(weights, expected)
 
 
-@pytest.mark.parametrize("bits", ACTIVATION_BITS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_the_kernel_computes_its_arithmetic_within_float32_rounding(qtype: Q, shape: tuple[int, int],
-                                                                    dtype: torch.dtype, bits: int) -> None:
+                                                                    dtype: torch.dtype) -> None:
     """Against float64 over the same rounded activations and the file's weights; and against the exact
     product of the unrounded activations, within the rounding's own bound: each activation moves by at
-    most half its block's scale, so an output by at most sum over blocks of scale / 2 · sum |w| (with 16
-    bits 258 times less than with 8)."""
+    most half its block's scale, so an output by at most sum over blocks of scale / 2 · sum |w|."""
     blocks, weights = quantized(shape, qtype)
     form = BlockLinear.from_file(blocks, qtype)
     for rows in ROWS:
         x = activations(rows, shape[1], dtype)
-        out = multiply(form, x, bits)
+        out = form(x)
         assert out.shape == (rows, shape[0]) and out.dtype == dtype
-        q, scales = rounded(x, bits)
+        q, scales = rounded(x)
         ours = (q * scales.repeat_interleave(BLOCK, 1)) @ weights.double().T
         unit = 2.0**-8 if dtype == torch.bfloat16 else 0.0  # the output's own rounding
         scale = ours.abs().max()
@@ -102,17 +93,16 @@ def test_the_kernel_computes_its_arithmetic_within_float32_rounding(qtype: Q, sh
         assert ((out.double() - exact).abs() <= bound + 1e-5 * scale + unit * ours.abs()).all(), rows
 
 
-@pytest.mark.parametrize("bits", ACTIVATION_BITS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_each_row_is_computed_as_if_alone_whatever_the_threads(dtype: torch.dtype, bits: int) -> None:
+def test_each_row_is_computed_as_if_alone_whatever_the_threads(dtype: torch.dtype) -> None:
     blocks, _ = quantized((200, 576), Q.Q4_1)
     form = BlockLinear.from_file(blocks, Q.Q4_1)
     x = activations(37, 576, dtype)
-    together = multiply(form, x, bits)
+    together = form(x)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.cat([multiply(form, x[i : i + 1], bits) for i in range(len(x))])
+        alone = torch.cat([form(x[i : i + 1]) for i in range(len(x))])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, alone)
@@ -149,11 +139,10 @@ def test_a_minimum_that_overflows_float16_is_refused() -> None:
         BlockLinear.pack(q, scales, scales * -128, 8)
 
 
-@pytest.mark.parametrize("matmul", [torch.ops.gracelm.block_matmul, torch.ops.gracelm.block_matmul_a16],
-                         ids=["8-bit", "16-bit"])
-def test_bad_arguments_raise_an_error_naming_the_kernel(matmul: torch._ops.OpOverloadPacket) -> None:
+def test_bad_arguments_raise_an_error_naming_the_kernel() -> None:
     form = BlockLinear.from_file(quantized((40, 96), Q.Q4_1)[0], Q.Q4_1)
     x = activations(3, 96)
+    matmul = torch.ops.gracelm.block_matmul
     bad = {
         "bits": lambda: matmul(x, form.packed, 40, 5),
         "records": lambda: matmul(x, form.packed, 40, 8),

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as Q
 from gracelm import Engine, SamplingParams
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
-from gracelm.model.block_linear import PROMPT_MAX_TOKENS, BlockLinear
+from gracelm.model.block_linear import BlockLinear
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.gguf_int4 import input_copies, int4_blocks
@@ -48,9 +48,7 @@ INT4_OP = "aten::_weight_int4pack_mm_for_cpu"
 # Each low-bit form (`--quantization`) and the op it runs. The blocks' kernel needs AVX-512 VNNI: skipped on
 # a CPU without it, never where gracelm._kernels is missing (a broken build fails).
 BLOCK_OP = "gracelm::block_matmul"
-BLOCK_A16_OP = "gracelm::block_matmul_a16"  # its prompt form
 FORM_OPS = {"blocks": BLOCK_OP, "int4": INT4_OP}
-DENSE_OPS = {"mkldnn::_linear_pointwise", "aten::linear"}
 no_vnni = pytest.mark.skipif(LOADED and not torch.ops.gracelm.block_matmul_serves(),
                              reason="this CPU lacks AVX-512 VNNI")
 FORMS = [pytest.param("blocks", marks=no_vnni), "int4"]
@@ -216,8 +214,7 @@ def description(form: str, dtype: torch.dtype, qtype: Q) -> str:
     """How the log describes a model's low-bit form, for decode steps of how many rows."""
     if form == "blocks":
         return ("the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels) for decode steps of "
-                f"<= {BLOCK_MAX_ROWS} rows, x 16-bit activations for prompts of <= {PROMPT_MAX_TOKENS} "
-                "tokens")
+                f"<= {BLOCK_MAX_ROWS} rows")
     halves = qtype == Q.Q8_0 and dtype == torch.bfloat16
     return (f"int4 (group 32, bfloat16 scales) for decode steps of <= {int4_rows_for(dtype)} rows"
             f"{f' (8-bit matrices as 4-bit halves: <= {HALVES_MAX_ROWS})' if halves else ''}")
@@ -237,9 +234,8 @@ def test_a_4bit_gguf_model_serves_decode_steps_through_its_low_bit_form(tmp_path
     loaded.freeze()
     assert not loaded.int4  # handed over
     dense_kernel = DENSE_BF16 if loaded.dtype == torch.bfloat16 else "float32 F.linear"
-    longer = "longer " if form == "blocks" else ""
     assert describe_linear_kernels(loaded.model).startswith(
-        f"{description(form, loaded.dtype, qtype)}, {dense_kernel} above and for {longer}prompts, "
+        f"{description(form, loaded.dtype, qtype)}, {dense_kernel} above and for prompts, "
         f"for {2 * 4 + 1} of {2 * 4 + 1} matmuls")
     dense = load_model(path, dtype="bfloat16", quantization="none")
     assert not dense.int4
@@ -259,52 +255,33 @@ def test_a_4bit_gguf_model_serves_decode_steps_through_its_low_bit_form(tmp_path
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_prompt_rows_never_take_8bit_activations(tmp_path: Path, form: str) -> None:
-    """A prompt's rows run dense, however few: its tail of 2 rows (what is left when the prefix cache served
-    its head) as the whole prompt does, a tail of 1 row too (not a decode token: its logits choose the
-    first token), and a step mixing decode tokens and a prompt. Except, with the blocks, prompts of at most
-    PROMPT_MAX_TOKENS tokens in steps as small: the 16-bit-activation kernel, head or tail alike. A decode
-    step of 2 rows runs the low-bit form."""
+def test_prompt_rows_take_the_dense_weights_however_few(tmp_path: Path, form: str) -> None:
+    """A prompt's tail of 2 rows (what is left when the prefix cache served its head) runs dense, as the
+    whole prompt does; so does a tail of 1 row (shaped like a decode step, but its logits choose the first
+    token: the batch's prompt lengths say so), and a step mixing decode tokens and a prompt; a decode step
+    of 2 rows runs the low-bit form."""
     loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16", quantization=form)
     loaded.freeze()
-    short = PROMPT_MAX_TOKENS if form == "blocks" else 0
-    prompt_kernel = {BLOCK_A16_OP} if short else DENSE_OPS
-    n = PROMPT_MAX_TOKENS + 4
-    # A long prompt: whole, its tails of 2 and 1, its tail beside a decode token (of a prompt of 4).
-    for query_lens, start, prompt_lens in [([n], 0, [n]), ([2], n - 2, [n]), ([1], n - 1, [n]),
-                                           ([1, 3], n - 3, [4, n])]:
-        ops = kernels_of_step(loaded, query_lens, start, prompt_lens)
-        assert FORM_OPS[form] not in ops and DENSE_OPS & ops and BLOCK_A16_OP not in ops, (query_lens, start)
-    # A prompt of 6 alike.
-    for query_lens, start, prompt_lens in [([6], 0, [6]), ([2], 4, [6]), ([1], 5, [6]), ([1, 2], 4, [4, 6])]:
-        ops = kernels_of_step(loaded, query_lens, start, prompt_lens)
-        assert FORM_OPS[form] not in ops and prompt_kernel & ops, (query_lens, start)
-    if short:  # short prompts in a step of more rows than that: dense
-        ops = kernels_of_step(loaded, [6] * 3, 0, [6] * 3)
-        assert DENSE_OPS & ops and BLOCK_A16_OP not in ops
-    assert FORM_OPS[form] in kernels_of_decode_step(loaded, 2)
+    assert FORM_OPS[form] not in kernels_of_step(loaded, [4], 0, [6])  # a prompt's head
+    assert FORM_OPS[form] not in kernels_of_step(loaded, [2], 4, [6])  # its tail: 2 rows, still a prompt's
+    assert FORM_OPS[form] not in kernels_of_step(loaded, [1], 5, [6])  # a tail of 1 row
+    assert FORM_OPS[form] not in kernels_of_step(loaded, [1, 3], 4, [4, 7])  # decode and prompt rows
+    assert FORM_OPS[form] in kernels_of_step(loaded, [1, 1], 6, [6, 4])  # two decode tokens
+    assert FORM_OPS[form] in kernels_of_step(loaded, [1, 1], 6)  # the same, prompt lengths not given
 
 
-def kernels_of_decode_step(loaded: LoadedModel, seqs: int) -> set[str]:
-    """The ops of a decode step of `seqs` sequences (each its 3rd token after a prompt of 4)."""
-    return kernels_of_step(loaded, [1] * seqs, 6, [4] * seqs)
-
-
-def kernels_of_step(loaded: LoadedModel, query_lens: list[int], start: int, prompt_lens: list[int]
-                    ) -> set[str]:
+def kernels_of_step(loaded: LoadedModel, query_lens: list[int], start: int,
+                    prompt_lens: list[int] | None = None) -> set[str]:
     """The ops a forward of sequences of `query_lens` new tokens after `start` cached ones, of prompts of
-    `prompt_lens` tokens, each over blocks of its own in a fresh cache, runs."""
-    blocks = -(-(start + max(query_lens)) // 16)
-    caches = allocate_kv_cache(loaded.config, len(query_lens) * blocks, 16, loaded.dtype)
+    `prompt_lens` tokens (None: not given), each over its own block of a fresh cache, runs."""
+    caches = allocate_kv_cache(loaded.config, len(query_lens), 16, loaded.dtype)
     rows = sum(query_lens)
     positions = torch.tensor([start + i for q in query_lens for i in range(q)])
-    slots = positions + torch.tensor([seq * blocks * 16 for seq, q in enumerate(query_lens)
-                                      for _ in range(q)])
+    slots = torch.tensor([seq * 16 + start + i for seq, q in enumerate(query_lens) for i in range(q)])
     batch = ForwardBatch(input_ids=torch.arange(rows) + 1, positions=positions, slot_mapping=slots,
                          query_lens=query_lens, seq_lens=[start + q for q in query_lens],
-                         block_tables=torch.arange(len(query_lens) * blocks).view(-1, blocks),
-                         logits_indices=torch.tensor(query_lens).cumsum(0) - 1,
-                         prompt_lens=prompt_lens)
+                         block_tables=torch.arange(len(query_lens))[:, None],
+                         logits_indices=torch.tensor(query_lens).cumsum(0) - 1, prompt_lens=prompt_lens)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         loaded.model(batch, caches)
     return {event.key for event in profile.key_averages()}
@@ -316,11 +293,11 @@ def test_8bit_halves_serve_bfloat16_steps_of_few_rows_only(tmp_path: Path) -> No
     INT4_MAX_ROWS."""
     eight_bit = load_model(tiny_gguf(tmp_path / "q8.gguf", Q.Q8_0), dtype="bfloat16", quantization="int4")
     eight_bit.freeze()
-    assert INT4_OP in kernels_of_decode_step(eight_bit, HALVES_MAX_ROWS)
-    assert INT4_OP not in kernels_of_decode_step(eight_bit, HALVES_MAX_ROWS + 1)
+    assert INT4_OP in kernels_of_step(eight_bit, [1] * HALVES_MAX_ROWS, 6)
+    assert INT4_OP not in kernels_of_step(eight_bit, [1] * (HALVES_MAX_ROWS + 1), 6)
     four_bit = load_model(tiny_gguf(tmp_path / "q4.gguf", Q.Q4_1), dtype="bfloat16", quantization="int4")
     four_bit.freeze()
-    assert INT4_OP in kernels_of_decode_step(four_bit, INT4_MAX_ROWS)
+    assert INT4_OP in kernels_of_step(four_bit, [1] * INT4_MAX_ROWS, 6)
 
 
 @no_vnni
@@ -334,8 +311,8 @@ def test_the_blocks_serve_decode_steps_of_any_count_8bit_matrices_too(tmp_path: 
         loaded.freeze()
         assert loaded.model.model.int4_gate.max_rows == BLOCK_MAX_ROWS
         for rows in (1, 130):
-            ops = kernels_of_decode_step(loaded, rows)
-            assert BLOCK_OP in ops and not DENSE_OPS & ops, rows
+            ops = kernels_of_step(loaded, [1] * rows, 6)
+            assert BLOCK_OP in ops and not {"mkldnn::_linear_pointwise", "aten::linear"} & ops, rows
 
 
 def test_float32_asked_and_none_keep_dense_weights(tmp_path: Path) -> None:

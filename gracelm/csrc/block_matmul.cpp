@@ -1,8 +1,7 @@
 // x @ W.T for a weight W stored in blocks of 32 inputs with a scale and a minimum each (GGUF's Q4_0, Q4_1
-// and Q8_0 read straight in), multiplied on AVX-512 VNNI in integers: the activations are rounded to 8 bits
-// per block of 32 on the fly (as llama.cpp does; `block_matmul`, vpdpbusd) or to 16 bits (`block_matmul_a16`,
-// vpdpwssd: half the multiply-adds an instruction, an error 256 times smaller), each block's products summed
-// exactly in int32 and scaled in float32. Why, the layout and the arithmetic: gracelm/model/block_linear.py.
+// and Q8_0 read straight in), multiplied on AVX-512 VNNI in 8-bit integers: the activations are rounded
+// to 8 bits per block of 32 on the fly (as llama.cpp does), each block's products summed exactly in int32
+// and scaled in float32. Why, the layout and the arithmetic: gracelm/model/block_linear.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -12,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 namespace {
 
@@ -34,30 +32,24 @@ GRACELM_VNNI inline __m512 load16(const c10::BFloat16* x) {  // bfloat16 is floa
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-// The activations of `rows` rows, rounded per block to the integers Q (int8 or int16): q = round(x / d)
-// with d = max|x| / Q's largest (to nearest even, as the CPU rounds by default), and per block d and
-// d * sum(q), the factor of the weights' minimums.
-template <typename T, typename Q>
-GRACELM_VNNI void quantize_rows(const T* x, int64_t rows, int64_t k, Q* q, float* d, float* dsum) {
-  constexpr float kLargest = std::is_same_v<Q, int8_t> ? 127.f : 32767.f;
+// The activations of `rows` rows, rounded to 8 bits per block: q = round(x / d) with d = max|x| / 127
+// (to nearest even, as the CPU rounds by default), and per block d and d * sum(q), the factor of the
+// weights' minimums.
+template <typename T>
+GRACELM_VNNI void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* d, float* dsum) {
   const int64_t blocks = k / kBlock;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < blocks; ++g) {
       const int64_t at = r * k + g * kBlock;
       const __m512 low = load16(x + at), high = load16(x + at + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
-      const __m512 inverse = _mm512_set1_ps(amax > 0.f ? kLargest / amax : 0.f);
+      const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       const __m512i qlow = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
       const __m512i qhigh = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
-      if constexpr (std::is_same_v<Q, int8_t>) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm512_cvtepi32_epi8(qlow));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16), _mm512_cvtepi32_epi8(qhigh));
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + at), _mm512_cvtepi32_epi16(qlow));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + at + 16), _mm512_cvtepi32_epi16(qhigh));
-      }
-      d[r * blocks + g] = amax / kLargest;
-      dsum[r * blocks + g] = amax / kLargest * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlow, qhigh)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at), _mm512_cvtepi32_epi8(qlow));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16), _mm512_cvtepi32_epi8(qhigh));
+      d[r * blocks + g] = amax / 127.f;
+      dsum[r * blocks + g] = amax / 127.f * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlow, qhigh)));
     }
   }
 }
@@ -90,50 +82,20 @@ GRACELM_VNNI inline void store_row(__m512 sums, c10::BFloat16* out) {
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
-// 4 bytes of activations read as one integer (aliasing them is allowed).
+// 4 activation bytes read as one integer (aliasing them is allowed).
 typedef int32_t Int32 __attribute__((may_alias, aligned(1)));
 
-template <typename Q>
 struct Activations {
-  const Q* q;        // [rows, k]
+  const int8_t* q;   // [rows, k]
   const float* d;    // [rows, blocks]
   const float* dsum; // [rows, blocks]
   int64_t k, blocks;
 };
 
-// dots[r] += the products of weight vector j (16 outputs x inputs 4j..4j+3, unsigned bytes) and those 4
-// inputs of row r0 + r of block g. 8-bit activations: one vpdpbusd, the 4 inputs broadcast as one integer.
-template <int Rows>
-GRACELM_VNNI inline void multiply_add(__m512i w, int j, const Activations<int8_t>& a, int64_t r0, int64_t g,
-                                      __m512i dots[Rows]) {
-  for (int r = 0; r < Rows; ++r) {
-    const Int32* four = reinterpret_cast<const Int32*>(a.q + (r0 + r) * a.k + g * kBlock);
-    dots[r] = _mm512_dpbusd_epi32(dots[r], w, _mm512_set1_epi32(four[j]));
-  }
-}
-
-// 16-bit activations: vpdpwssd multiplies pairs of int16, so the weights' bytes are widened to two vectors,
-// inputs 4j, 4j+1 and inputs 4j+2, 4j+3 of each output, and each pair of inputs is broadcast.
-template <int Rows>
-GRACELM_VNNI inline void multiply_add(__m512i w, int j, const Activations<int16_t>& a, int64_t r0, int64_t g,
-                                      __m512i dots[Rows]) {
-  // Per 4 bytes b0..b3 of an output: the words (b0, b1), then (b2, b3); -128 selects a zero byte.
-  const __m512i low = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128, 8, -128, 9, -128,
-                                                           12, -128, 13, -128));
-  const __m512i high = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -128, 3, -128, 6, -128, 7, -128, 10, -128, 11,
-                                                            -128, 14, -128, 15, -128));
-  const __m512i first = _mm512_shuffle_epi8(w, low), second = _mm512_shuffle_epi8(w, high);
-  for (int r = 0; r < Rows; ++r) {
-    const Int32* pairs = reinterpret_cast<const Int32*>(a.q + (r0 + r) * a.k + g * kBlock);
-    dots[r] = _mm512_dpwssd_epi32(dots[r], first, _mm512_set1_epi32(pairs[2 * j]));
-    dots[r] = _mm512_dpwssd_epi32(dots[r], second, _mm512_set1_epi32(pairs[2 * j + 1]));
-  }
-}
-
 // Rows r0..r0+Rows-1 of one tile of 16 outputs, over all blocks of the tile's records, to out's rows
 // 0..Rows-1 (`ld` apart).
-template <int Bits, int Rows, typename Q, typename T>
-GRACELM_VNNI void tile_rows(const uint8_t* tile, const Activations<Q>& a, int64_t r0, T* out, int64_t ld) {
+template <int Bits, int Rows, typename T>
+GRACELM_VNNI void tile_rows(const uint8_t* tile, const Activations& a, int64_t r0, T* out, int64_t ld) {
   __m512 sums[Rows];
   for (int r = 0; r < Rows; ++r) sums[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.blocks; ++g) {
@@ -146,11 +108,16 @@ GRACELM_VNNI void tile_rows(const uint8_t* tile, const Activations<Q>& a, int64_
     const uint8_t* tail = record + weight_bytes(Bits);
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail)));
     const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail + 32)));
-    // Row by row per vector of weights: Rows independent chains of dot products keep their pipes busy.
-    // The inputs are broadcast from memory.
+    // Row by row per vector of weights: Rows independent chains of vpdpbusd keep its pipes busy. Each 4
+    // inputs are broadcast from memory.
     __m512i dots[Rows];
     for (int r = 0; r < Rows; ++r) dots[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; ++j) multiply_add<Rows>(w[j], j, a, r0, g, dots);
+    for (int j = 0; j < 8; ++j) {
+      for (int r = 0; r < Rows; ++r) {
+        const Int32* four = reinterpret_cast<const Int32*>(a.q + (r0 + r) * a.k + g * kBlock);
+        dots[r] = _mm512_dpbusd_epi32(dots[r], w[j], _mm512_set1_epi32(four[j]));
+      }
+    }
     for (int r = 0; r < Rows; ++r) {
       const int64_t at = (r0 + r) * a.blocks + g;
       sums[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_mul_ps(scale, _mm512_set1_ps(a.d[at])),
@@ -161,19 +128,19 @@ GRACELM_VNNI void tile_rows(const uint8_t* tile, const Activations<Q>& a, int64_
   for (int r = 0; r < Rows; ++r) store_row(sums[r], out + r * ld);
 }
 
-template <int Bits, typename Q, typename T, int Rows = kMaxRows>
-GRACELM_VNNI void tile_rows_of(int rows, const uint8_t* tile, const Activations<Q>& a, int64_t r0, T* out,
+template <int Bits, typename T, int Rows = kMaxRows>
+GRACELM_VNNI void tile_rows_of(int rows, const uint8_t* tile, const Activations& a, int64_t r0, T* out,
                                int64_t ld) {
   if constexpr (Rows > 1) {
-    if (rows < Rows) return tile_rows_of<Bits, Q, T, Rows - 1>(rows, tile, a, r0, out, ld);
+    if (rows < Rows) return tile_rows_of<Bits, T, Rows - 1>(rows, tile, a, r0, out, ld);
   }
   tile_rows<Bits, Rows>(tile, a, r0, out, ld);
 }
 
 // Every tile's rows in chunks of at most kMaxRows; a tile's records stay in the L1 cache between chunks.
-template <int Bits, typename Q, typename T>
-GRACELM_VNNI void tiles(const uint8_t* packed, int64_t begin, int64_t end, const Activations<Q>& a,
-                        int64_t rows, T* out, int64_t n) {
+template <int Bits, typename T>
+GRACELM_VNNI void tiles(const uint8_t* packed, int64_t begin, int64_t end, const Activations& a, int64_t rows,
+                        T* out, int64_t n) {
   const int64_t tile_bytes = a.blocks * record_bytes(Bits);
   alignas(64) T last[kMaxRows * kLanes];  // the last tile of a width that is not a multiple of 16
   for (int64_t t = begin; t < end; ++t) {
@@ -181,32 +148,31 @@ GRACELM_VNNI void tiles(const uint8_t* packed, int64_t begin, int64_t end, const
     for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int chunk = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
       if (!partial) {
-        tile_rows_of<Bits, Q, T>(chunk, packed + t * tile_bytes, a, r0, out + r0 * n + t * kLanes, n);
+        tile_rows_of<Bits, T>(chunk, packed + t * tile_bytes, a, r0, out + r0 * n + t * kLanes, n);
         continue;
       }
-      tile_rows_of<Bits, Q, T>(chunk, packed + t * tile_bytes, a, r0, last, kLanes);
+      tile_rows_of<Bits, T>(chunk, packed + t * tile_bytes, a, r0, last, kLanes);
       for (int r = 0; r < chunk; ++r)
         std::copy(last + r * kLanes, last + r * kLanes + (n - t * kLanes), out + (r0 + r) * n + t * kLanes);
     }
   }
 }
 
-template <typename Q, typename T>
+template <typename T>
 void multiply(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
-  at::Tensor q = at::empty({rows, k}, x.options().dtype(std::is_same_v<Q, int8_t> ? at::kChar : at::kShort));
+  at::Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
   at::Tensor d = at::empty({2, rows, blocks}, x.options().dtype(at::kFloat));
-  Q* q_data = static_cast<Q*>(q.data_ptr());
-  quantize_rows(x.data_ptr<T>(), rows, k, q_data, d[0].data_ptr<float>(), d[1].data_ptr<float>());
-  const Activations<Q> a{q_data, d[0].data_ptr<float>(), d[1].data_ptr<float>(), k, blocks};
+  quantize_rows(x.data_ptr<T>(), rows, k, q.data_ptr<int8_t>(), d[0].data_ptr<float>(), d[1].data_ptr<float>());
+  const Activations a{q.data_ptr<int8_t>(), d[0].data_ptr<float>(), d[1].data_ptr<float>(), k, blocks};
   const uint8_t* weights = packed.data_ptr<uint8_t>();
   T* o = out.data_ptr<T>();
   // A grain of a few tiles: a small matrix is not cut finer than the threads' start-up is worth.
   at::parallel_for(0, packed.size(0), 4, [&](int64_t begin, int64_t end) {
     if (bits == 4) {
-      tiles<4, Q, T>(weights, begin, end, a, rows, o, n);
+      tiles<4, T>(weights, begin, end, a, rows, o, n);
     } else {
-      tiles<8, Q, T>(weights, begin, end, a, rows, o, n);
+      tiles<8, T>(weights, begin, end, a, rows, o, n);
     }
   });
 }
@@ -219,8 +185,7 @@ bool block_matmul_serves() {
          __builtin_cpu_supports("fma");
 }
 
-template <typename Q>
-at::Tensor block_matmul_of(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t bits) {
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t bits) {
   TORCH_CHECK(block_matmul_serves(), "block_matmul: this CPU lacks AVX-512 VNNI");
   TORCH_CHECK(bits == 4 || bits == 8, "block_matmul: bits must be 4 or 8, not ", bits);
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3, "block_matmul: x [rows, K], packed [tiles, blocks, bytes]");
@@ -234,31 +199,19 @@ at::Tensor block_matmul_of(const at::Tensor& x, const at::Tensor& packed, int64_
               "block_matmul: ", out_features, " outputs do not fill ", packed.size(0), " tiles of ", kLanes);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.scalar_type() == at::kBFloat16) {
-    multiply<Q, c10::BFloat16>(x, packed, out_features, bits, out);
+    multiply<c10::BFloat16>(x, packed, out_features, bits, out);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "block_matmul: bfloat16 or float32 activations only");
-    multiply<Q, float>(x, packed, out_features, bits, out);
+    multiply<float>(x, packed, out_features, bits, out);
   }
   return out;
-}
-
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t bits) {
-  return block_matmul_of<int8_t>(x, packed, out_features, bits);
-}
-
-at::Tensor block_matmul_a16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t bits) {
-  return block_matmul_of<int16_t>(x, packed, out_features, bits);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gracelm, m) {
   m.def("block_matmul(Tensor x, Tensor packed, int out_features, int bits) -> Tensor");
-  m.def("block_matmul_a16(Tensor x, Tensor packed, int out_features, int bits) -> Tensor");
   m.def("block_matmul_serves() -> bool", &block_matmul_serves);
 }
 
-TORCH_LIBRARY_IMPL(gracelm, CPU, m) {
-  m.impl("block_matmul", &block_matmul);
-  m.impl("block_matmul_a16", &block_matmul_a16);
-}
+TORCH_LIBRARY_IMPL(gracelm, CPU, m) { m.impl("block_matmul", &block_matmul); }

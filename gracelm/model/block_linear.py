@@ -21,13 +21,11 @@ It serves decode steps of any count (`MAX_ROWS`, `quantized_linear.rows_for`): a
 on the default model's 30 layers (4-bit matrices of the real shapes, 2 threads, a Zen 5; medians of
 interleaved runs), time of this kernel over oneDNN's: 0.33 at 1 row, 0.40 at 8, 0.55 at 16, 0.60 at 32,
 0.78 at 64, 0.77 at 128-256, 0.94-0.96 at 512-1,024; its 8-bit logits head 0.51, 0.52, 0.71, 0.82,
-0.84, 0.83-0.93. Prompts never take 8-bit activations (`quantized_linear.Int4Gate`): their logits choose a
-reply's first token, where the small default model has near ties that 8-bit activations flip ("What is
-the capital of France?" as a chat: "L" 24.88 against "The" 24.75, and the reply "L'Étoile, la
-Marseillaise, ...", llama-server's own; bfloat16 activations: "The" 25.50 against "L" 25.38, "The capital
-of France is Paris."). Long prompts take the dense bfloat16 weights; short ones
-(`PROMPT_MAX_TOKENS`) these blocks times activations rounded to 16 bits (`prompt_forward`, vpdpwssd: an
-error ~1e-5 of a block's largest activation, below bfloat16's), faster where the weights' bytes decide.
+0.84, 0.83-0.93. Prompts keep the dense bfloat16 weights (`quantized_linear.Int4Gate`), as with torch's
+int4 kernel: their logits choose a reply's first token, where the small default model has near ties that
+8-bit activations flip ("What is the capital of France?" as a chat: "L" 24.88 against "The" 24.75, and
+the reply "L'Étoile, la Marseillaise, ...", llama-server's own; bfloat16 activations: "The" 25.50 against
+"L" 25.38, "The capital of France is Paris.").
 
 The layout (`pack`): the outputs in tiles of 16 (one vector of sums), each tile's blocks in input order,
 a record per (tile, block): the 16 × 32 q as 8 vectors of 64 bytes, vector j holding inputs 4j..4j+3 of
@@ -53,11 +51,6 @@ TILE = 16
 # Decode steps of at most this many rows use the kernel: every size measured (a step has at most
 # --max-num-seqs rows).
 MAX_ROWS = 1024
-# Prompts of at most this many tokens, in steps of as many rows, use its 16-bit-activation form
-# (`BlockLinear.prompt_forward`). A whole forward pass of the default model over one prompt (2 threads, a
-# Zen 5; medians of interleaved runs), time over dense bfloat16's: 0.55 at 2 tokens, 0.64 at 8, 0.76 at
-# 16, 0.95 at 24, 1.03 at 32.
-PROMPT_MAX_TOKENS = 16
 # Part of the key of cached forms and compiled graphs: a change of `pack` must change it.
 LAYOUT = "blocks-1"
 
@@ -81,7 +74,6 @@ class BlockLinear(nn.Module):
     """A [rows, K] weight as `block_matmul` reads it: `packed` uint8 [tiles, K / 32, record bytes]."""
 
     halves = False  # as `Int4Linear.halves`: never two halves here, 8-bit blocks are multiplied as they are
-    PROMPT_MAX_TOKENS = PROMPT_MAX_TOKENS  # as `Int4Linear.PROMPT_MAX_TOKENS`: see above
 
     def __init__(self, packed: torch.Tensor, rows: int, bits: int) -> None:
         super().__init__()
@@ -154,9 +146,3 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.gracelm.block_matmul(x.contiguous(), self.packed, self.rows, self.bits)
-
-    def prompt_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T with the activations rounded to 16 bits per block (an error ~1e-5 of a block's
-        largest, below bfloat16's own rounding): for a prompt's rows, whose logits must not flip near
-        ties as 8 bits do (`Int4Gate`)."""
-        return torch.ops.gracelm.block_matmul_a16(x.contiguous(), self.packed, self.rows, self.bits)

@@ -30,14 +30,13 @@ class ForwardBatch:
     # tokens is taken for a prompt's, a single token for a decode step.
     prompt_lens: list[int] | None = None
 
-    def prompt_seqs(self) -> list[int]:
-        """The sequences whose new tokens include prompt positions (a prompt's chunk, however short, or
+    def has_prompt_rows(self) -> bool:
+        """Whether some sequence's new tokens include prompt positions (a prompt's chunk, however short, or
         tokens recomputed after a preemption)."""
         if self.prompt_lens is None:
-            return [i for i, q in enumerate(self.query_lens) if q > 1]
-        return [i for i, (q, seq, prompt) in enumerate(zip(self.query_lens, self.seq_lens, self.prompt_lens,
-                                                             strict=True))
-                if q > 1 or seq - q < prompt]
+            return any(q > 1 for q in self.query_lens)
+        return any(q > 1 or seq - q < prompt
+                   for q, seq, prompt in zip(self.query_lens, self.seq_lens, self.prompt_lens, strict=True))
 
     @classmethod
     def from_step_batch(cls, batch: StepBatch, device: torch.device | str = "cpu") -> ForwardBatch:

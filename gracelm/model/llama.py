@@ -104,13 +104,9 @@ class FrozenLinear(nn.Module):
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T + bias, one kernel call: the 4-bit form's where the gate admits it (its prompt
-        kernel in a step of short prompts), else the dense."""
+        """x @ weight.T + bias, one kernel call: the 4-bit form's where the gate admits it, else the dense."""
         if self.int4 is not None and self.int4_gate.admits(x.shape[0], self.int4.halves):
             out = self.int4(x)
-            return out if self.bias is None else out + self.bias
-        if self.int4 is not None and self.int4_gate.short_prompt:
-            out = self.int4.prompt_forward(x)
             return out if self.bias is None else out + self.bias
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
@@ -163,10 +159,8 @@ def describe_linear_kernels(module: nn.Module) -> str:
         return f"{with_int4[0].int4.describe()} for every step, {counts}"
     halves = any(m.int4.halves for m in with_int4) and rows(True) != rows(False)
     halves_rows = f" (8-bit matrices as 4-bit halves: <= {rows(True)})" if halves else ""
-    short = with_int4[0].int4_gate.prompt_max_tokens
-    prompts = f", x 16-bit activations for prompts of <= {short} tokens" if short else ""
     return (f"{with_int4[0].int4.describe()} for decode steps of <= {rows(False)} rows"
-            f"{halves_rows}{prompts}, {dense} above and for {'longer ' if short else ''}prompts, {counts}")
+            f"{halves_rows}, {dense} above and for prompts, {counts}")
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
@@ -318,10 +312,7 @@ class LlamaModel(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
         meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant)
         if self.int4_gate is not None:
-            prompts = batch.prompt_seqs()
-            prompt_lens = batch.prompt_lens or [0] * len(batch.seq_lens)
-            longest = max((max(batch.seq_lens[i], prompt_lens[i]) for i in prompts), default=0)
-            self.int4_gate.begin_step(bool(prompts), longest, meta.num_tokens)
+            self.int4_gate.prompt_step = batch.has_prompt_rows()
         return x, cos, sin, meta
 
     def _graph_for(self, batch: ForwardBatch) -> DecodeGraph | None:

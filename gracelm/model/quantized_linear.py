@@ -72,8 +72,6 @@ class Int4Linear(nn.Module):
     """A [rows, K] weight as the int4 kernel reads it: `packed` uint8 [rows padded to 16, K / 2] and
     `scales_zeros` [K / GROUP_SIZE, rows padded, 2] (scale, zero) in the dtype the kernel computes in."""
 
-    PROMPT_MAX_TOKENS = 0  # no kernel of its own for prompts (`Int4Gate`)
-
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, rows: int, input_copies: int = 1
                  ) -> None:
         super().__init__()
@@ -182,28 +180,14 @@ def form_for(quantization: str) -> type[LowBitForm] | None:
 class Int4Gate:
     """When 4-bit forms serve: in calls of at most `max_rows` rows (0: never; `sys.maxsize`: always), and,
     once a model shares the gate among its linears (`Int4Choice`), only in its steps of decode tokens alone:
-    the model says per forward pass whether the step has prompt rows (`begin_step`). A prompt's rows take
+    the model says per forward pass whether the step has prompt rows (`prompt_step`). A prompt's rows take
     the dense weights however few they are, so a prompt gets the same logits whether the prefix cache
-    served its head (leaving a short tail to compute) or not: a seeded request run twice answers alike.
+    served its head (leaving a short tail to compute) or not: a seeded request run twice answers alike."""
 
-    Except short prompts, where the form has a kernel for them (`prompt_max_tokens`: the blocks' at 16-bit
-    activations, `BlockLinear.prompt_forward`): a step whose prompts are all at most that long, and whose
-    rows are as few, takes it (`short_prompt`). The bound is on each prompt's whole length, so its head
-    served from the cache or not, a prompt takes the same kernel."""
-
-    def __init__(self, max_rows: int, halves_max_rows: int | None = None, prompt_max_tokens: int = 0) -> None:
+    def __init__(self, max_rows: int, halves_max_rows: int | None = None) -> None:
         self.max_rows = max_rows
         self.halves_max_rows = halves_max_rows  # a tighter bound for 8-bit halves, if any (`halves_rows_for`)
-        self.prompt_max_tokens = prompt_max_tokens
         self.prompt_step = False
-        self.short_prompt = False
-
-    def begin_step(self, prompt_step: bool, longest_prompt: int, rows: int) -> None:
-        """What the model says of a forward pass: whether it has prompt rows, the longest prompt among
-        them and its rows in all."""
-        self.prompt_step = prompt_step
-        self.short_prompt = (prompt_step and 0 < self.max_rows < sys.maxsize
-                             and max(longest_prompt, rows) <= self.prompt_max_tokens)
 
     def bound(self, halves: bool) -> int:
         """The most rows a form admits; `halves`: it is an 8-bit matrix's two 4-bit halves."""
@@ -230,8 +214,7 @@ class Int4Choice:
         `dtype`."""
         forms = {module: by_name[f"{name}.weight"] for name, module in model.named_modules()
                  if f"{name}.weight" in by_name}
-        prompt_max_tokens = max(form.PROMPT_MAX_TOKENS for form in forms.values()) if forms else 0
-        return cls(forms, Int4Gate(max_rows, halves_rows_for(dtype), prompt_max_tokens))
+        return cls(forms, Int4Gate(max_rows, halves_rows_for(dtype)))
 
     def stacked(self, modules: list[nn.Module]) -> LowBitForm | None:
         """The modules' weights stacked by rows, in 4 bits; None unless each has a 4-bit form (and the forms
