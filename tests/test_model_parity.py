@@ -130,7 +130,7 @@ def test_rope_scaling_reaches_the_model(models: Models) -> None:
 
 def test_one_batch_of_sequences_of_different_lengths(models: Models) -> None:
     ours, reference = models
-    # Short prompts are attended together, padded to 16 or 32 rows; the 70 alone (`attention.PrefillBatch`).
+    # Short prompts are attended in batches padded to 16 or 32 rows; the 70 alone (`attention.PrefillBatch`).
     prompts = [random_tokens(n, seed=n) for n in (7, 1, 12, 3, 17, 70)]
     runner = PagedRunner(ours)
     chunks = list(enumerate(prompts))
@@ -139,6 +139,22 @@ def test_one_batch_of_sequences_of_different_lengths(models: Models) -> None:
     # Writing the same K/V again is idempotent, so the same batch can ask for its last rows only.
     for prompt, logits in zip(prompts, runner.rerun_for_last_tokens(), strict=True):
         assert_matches(logits, reference_logits(reference, prompt)[-1:])
+
+
+def test_a_prompt_gets_the_same_logits_beside_others_as_alone() -> None:
+    """Short prompts are attended in batches of those that pad alike (`attention.PrefillBatch`): a prompt's
+    padding is its own, so its logits are bit for bit those it gets alone, whatever prompts share its step
+    (as the engine needs: a request must not change another's answer). In bfloat16, as served: float32's
+    MKL matmuls round a row otherwise as the rows beside it change (the batch-invariant mode's concern)."""
+    dtype = torch.bfloat16
+    model = load_model(tiny_model("llama"), dtype="bfloat16", device=TEST_DEVICE).model
+    model.freeze()
+    prompt = random_tokens(10, seed=5)
+    alone = PagedRunner(model, dtype=dtype).step([(0, prompt)])[0]
+    others = [random_tokens(n, seed=30 + n) for n in (3, 12, 16, 30, 70)]
+    together = PagedRunner(model, seed=4, dtype=dtype).step([(1, others[0]), (0, prompt)]
+                                                            + [(2 + i, p) for i, p in enumerate(others[1:])])
+    assert torch.equal(together[1], alone)
 
 
 def test_prompt_split_over_several_calls(models: Models) -> None:

@@ -13,10 +13,10 @@ the gathered keys (oneDNN's bf16 `bmm` is 4-6x faster than float32 at these shap
 copy of the cache), values summed by an `embedding_bag` straight from the cache. bf16 products accumulate in
 float32; only the scores and probabilities are rounded to bf16 (on SmolLM2 the mean logit error against
 float32 grows by about 10 %, top-1 agreement unchanged). The softmax runs in float32.
-Prefill chunks attend in float32. Short chunks that begin their sequence (no context in the cache), of
-every sequence at once, by batched matmuls and a softmax over padded lengths (`PrefillBatch`); every other
-chunk alone, by `scaled_dot_product_attention` (its bf16 kernel is several times slower on CPU), over its
-gathered blocks where it has context (`PrefillSpan`).
+Prefill chunks attend in float32. Short chunks that begin their sequence (no context in the cache), those
+of a padded length together, by batched matmuls and a softmax (`PrefillBatch`); every other chunk alone, by
+`scaled_dot_product_attention` (its bf16 kernel is several times slower on CPU), over its gathered blocks
+where it has context (`PrefillSpan`).
 
 Batch-invariant mode (`AttentionMetadata.build(..., batch_invariant=True)`, see `batch_invariant.py`): a
 query row's result must not depend on the rows beside it, nor on whether it is a decode token or a row of a
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -130,13 +130,15 @@ class PrefillSpan:
 
 @dataclass
 class PrefillBatch:
-    """Two or more chunks of at most `_BATCHED_PREFILL_MAX` tokens that begin their sequence, attended
-    together: each padded at its end (with copies of its last row) to `longest`, the longest rounded up to
-    16, then one causal attention of the batch by matmuls (`_batched_prefill_attention`). Why: 32 prompts
-    of ~10 tokens cost SDPA 960 calls a forward pass, a third of its time, one sequence at a time; and
-    torch's softmax over a row of 13 is 8x slower than over 16. The padding changes no real row: a padded
-    key lies after every real query of its chunk, where the causal mask hides it. One chunk alone goes
-    through SDPA, faster for it."""
+    """The chunks of at most `_BATCHED_PREFILL_MAX` tokens that begin their sequence and pad to the same
+    `longest` (their length rounded up to 16, with copies of their last row), attended together by one causal
+    attention of batched matmuls (`_batched_prefill_attention`). Why: 32 prompts of ~10 tokens cost SDPA 960
+    calls a forward pass, a third of its time, one sequence at a time; and torch's softmax over a row of 13
+    is 8x slower than over 16. The padding changes no real row: a padded key lies after every real query of
+    its chunk, where the causal mask hides it. A chunk's padding is its own and a batched matmul computes
+    each of its matrices alike whatever the batch, so a prompt gets the same bits beside others as alone
+    (a chunk alone comes this way too, though SDPA would be faster for it: 50 against 74 us a layer at 8
+    rows)."""
 
     gather: torch.Tensor  # [count * longest] token rows, chunk after chunk, each padded to `longest`
     real: torch.Tensor  # [tokens] the real rows' places in that padded order
@@ -146,13 +148,24 @@ class PrefillBatch:
     longest: int
 
     @staticmethod
-    def takes(span: PrefillSpan) -> bool:
-        """Whether the span may join a batch (one of at least two such spans)."""
-        return span.context == 0 and span.length <= _BATCHED_PREFILL_MAX
+    def padded_length(span: PrefillSpan) -> int | None:
+        """The length the span pads to in a batch; None where it is attended alone."""
+        if span.context > 0 or span.length > _BATCHED_PREFILL_MAX:
+            return None
+        return cdiv(span.length, 16) * 16
 
     @classmethod
-    def of(cls, spans: list[PrefillSpan], device: torch.device) -> PrefillBatch:
-        longest = cdiv(max(span.length for span in spans), 16) * 16
+    def all_of(cls, spans: list[PrefillSpan], device: torch.device) -> list[PrefillBatch]:
+        """The batches of the spans that pad alike, one per padded length."""
+        by_length: dict[int, list[PrefillSpan]] = {}
+        for span in spans:
+            longest = cls.padded_length(span)
+            if longest is not None:
+                by_length.setdefault(longest, []).append(span)
+        return [cls.of(batch, longest, device) for longest, batch in by_length.items()]
+
+    @classmethod
+    def of(cls, spans: list[PrefillSpan], longest: int, device: torch.device) -> PrefillBatch:
         gather, real, rows = [], [], []
         for i, span in enumerate(spans):
             chunk = list(range(span.start, span.start + span.length))
@@ -175,7 +188,7 @@ class AttentionMetadata:
     num_tokens: int
     groups: list[QueryGroup]  # the decode tokens' group first, if any
     prefills: list[PrefillSpan]  # the chunks of several tokens (none in batch-invariant mode)
-    prefill_batch: PrefillBatch | None = None  # those of `prefills` it takes, attended together
+    prefill_batches: list[PrefillBatch] = field(default_factory=list)  # those of `prefills` they take
 
     @classmethod
     def build(cls, batch: ForwardBatch, kv_cache: torch.Tensor, batch_invariant: bool = False
@@ -193,11 +206,8 @@ class AttentionMetadata:
             groups += [tile for i in chunked for tile in _prefill_tiles(batch, i, starts[i], kv_cache)]
             return cls(batch.slot_mapping, starts[-1], groups, [])
         prefills = [_prefill_span(batch, i, starts[i], block_size) for i in chunked]
-        together = [span for span in prefills if PrefillBatch.takes(span)]
-        if len(together) < 2:  # one chunk alone: SDPA is faster (50 against 74 us a layer, 8 rows)
-            return cls(batch.slot_mapping, starts[-1], groups, prefills)
         return cls(batch.slot_mapping, starts[-1], groups, prefills,
-                   PrefillBatch.of(together, batch.block_tables.device))
+                   PrefillBatch.all_of(prefills, batch.block_tables.device))
 
 
 def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], kv_cache: torch.Tensor,
@@ -279,11 +289,10 @@ def paged_attention(
     for group in groups:
         attended = _attend(q.index_select(0, group.rows), kv_cache, group, scale)
         out.index_copy_(0, group.rows, attended.to(q.dtype))
-    together = meta.prefill_batch
-    if together is not None:
+    for together in meta.prefill_batches:
         out.index_copy_(0, together.rows, _batched_prefill_attention(q, k, v, together, scale).to(q.dtype))
     for span in meta.prefills:
-        if together is not None and PrefillBatch.takes(span):
+        if PrefillBatch.padded_length(span) is not None:
             continue
         rows = slice(span.start, span.start + span.length)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
