@@ -130,8 +130,9 @@ def test_rope_scaling_reaches_the_model(models: Models) -> None:
 
 def test_one_batch_of_sequences_of_different_lengths(models: Models) -> None:
     ours, reference = models
-    # Short prompts are attended in batches padded to 16 or 32 rows; the 70 alone (`attention.PrefillBatch`).
-    prompts = [random_tokens(n, seed=n) for n in (7, 1, 12, 3, 17, 70)]
+    # Prompts of up to 16 tokens are attended in a batch padded to 16 rows; the 17 and the 70 alone
+    # (`attention.PrefillBatch`).
+    prompts = [random_tokens(n, seed=n) for n in (7, 1, 12, 3, 16, 17, 70)]
     runner = PagedRunner(ours)
     chunks = list(enumerate(prompts))
     for prompt, logits in zip(prompts, runner.step(chunks), strict=True):

@@ -13,8 +13,8 @@ the gathered keys (oneDNN's bf16 `bmm` is 4-6x faster than float32 at these shap
 copy of the cache), values summed by an `embedding_bag` straight from the cache. bf16 products accumulate in
 float32; only the scores and probabilities are rounded to bf16 (on SmolLM2 the mean logit error against
 float32 grows by about 10 %, top-1 agreement unchanged). The softmax runs in float32.
-Prefill chunks attend in float32. Short chunks that begin their sequence (no context in the cache), those
-of a padded length together, by batched matmuls and a softmax (`PrefillBatch`); every other chunk alone, by
+Prefill chunks attend in float32. Short chunks that begin their sequence (no context in the cache), all
+together, by batched matmuls and a softmax over padded rows (`PrefillBatch`); every other chunk alone, by
 `scaled_dot_product_attention` (its bf16 kernel is several times slower on CPU), over its gathered blocks
 where it has context (`PrefillSpan`).
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +89,12 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 _PREFILL_TILE = 64
 _MIN_SCORE_ROWS = 3
 _MIN_KEYS = 16
-# Chunks up to this long that begin their sequence are attended together (`PrefillBatch`): their scores
-# take count x heads x longest^2 floats.
-_BATCHED_PREFILL_MAX = 64
+# Chunks up to this long that begin their sequence are attended in a batch (`PrefillBatch`), padded to it;
+# longer ones by SDPA, as before the batch, whose rounding the default model's chat answers were checked
+# against: its answer to "What is the capital of France?" (37 tokens) sits on a near tie ("The" 25.50
+# against "L" 25.375 through SDPA; 25.375 each through the batch's matmuls, and "L'Étoile, ..." wins) that
+# any other float32 rounding of its attention may flip.
+_BATCHED_PREFILL = 16
 
 
 @dataclass
@@ -130,54 +133,43 @@ class PrefillSpan:
 
 @dataclass
 class PrefillBatch:
-    """The chunks of at most `_BATCHED_PREFILL_MAX` tokens that begin their sequence and pad to the same
-    `longest` (their length rounded up to 16, with copies of their last row), attended together by one causal
-    attention of batched matmuls (`_batched_prefill_attention`). Why: 32 prompts of ~10 tokens cost SDPA 960
-    calls a forward pass, a third of its time, one sequence at a time; and torch's softmax over a row of 13
-    is 8x slower than over 16. The padding changes no real row: a padded key lies after every real query of
-    its chunk, where the causal mask hides it. A chunk's padding is its own and a batched matmul computes
-    each of its matrices alike whatever the batch, so a prompt gets the same bits beside others as alone
-    (a chunk alone comes this way too, though SDPA would be faster for it: 50 against 74 us a layer at 8
-    rows)."""
+    """The chunks of at most `_BATCHED_PREFILL` tokens that begin their sequence, each padded at its end to
+    that many rows (with copies of its last row), attended together by one causal attention of batched
+    matmuls (`_batched_prefill_attention`). Why: 32 prompts of ~10 tokens cost SDPA 960 calls a forward
+    pass, a third of its time, one sequence at a time; and torch's softmax over a row of 13 is 8x slower
+    than over 16. The padding changes no real row: a padded key lies after every real query of its chunk,
+    where the causal mask hides it. Every chunk pads alike and a batched matmul computes each of its
+    matrices alike whatever the batch, so a prompt gets the same bits beside others as alone (a chunk alone
+    comes this way too, though SDPA would be faster for it: 50 against 74 us a layer at 8 rows)."""
 
-    gather: torch.Tensor  # [count * longest] token rows, chunk after chunk, each padded to `longest`
+    gather: torch.Tensor  # [count * _BATCHED_PREFILL] token rows, chunk after chunk, each padded
     real: torch.Tensor  # [tokens] the real rows' places in that padded order
     rows: torch.Tensor  # [tokens] their token rows, in the same order
-    mask: torch.Tensor  # [longest, longest] float32: 0 on and below the diagonal, else -inf
+    mask: torch.Tensor  # [_BATCHED_PREFILL, _BATCHED_PREFILL] float32: 0 on and below the diagonal, else -inf
     count: int
-    longest: int
 
     @staticmethod
-    def padded_length(span: PrefillSpan) -> int | None:
-        """The length the span pads to in a batch; None where it is attended alone."""
-        if span.context > 0 or span.length > _BATCHED_PREFILL_MAX:
+    def takes(span: PrefillSpan) -> bool:
+        return span.context == 0 and span.length <= _BATCHED_PREFILL
+
+    @classmethod
+    def of(cls, spans: list[PrefillSpan], device: torch.device) -> PrefillBatch | None:
+        """The batch of the spans it takes; None where it takes none."""
+        spans = [span for span in spans if cls.takes(span)]
+        if not spans:
             return None
-        return cdiv(span.length, 16) * 16
-
-    @classmethod
-    def all_of(cls, spans: list[PrefillSpan], device: torch.device) -> list[PrefillBatch]:
-        """The batches of the spans that pad alike, one per padded length."""
-        by_length: dict[int, list[PrefillSpan]] = {}
-        for span in spans:
-            longest = cls.padded_length(span)
-            if longest is not None:
-                by_length.setdefault(longest, []).append(span)
-        return [cls.of(batch, longest, device) for longest, batch in by_length.items()]
-
-    @classmethod
-    def of(cls, spans: list[PrefillSpan], longest: int, device: torch.device) -> PrefillBatch:
         gather, real, rows = [], [], []
         for i, span in enumerate(spans):
             chunk = list(range(span.start, span.start + span.length))
-            gather += chunk + [chunk[-1]] * (longest - span.length)
-            real += range(i * longest, i * longest + span.length)
+            gather += chunk + [chunk[-1]] * (_BATCHED_PREFILL - span.length)
+            real += range(i * _BATCHED_PREFILL, i * _BATCHED_PREFILL + span.length)
             rows += chunk
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        mask = torch.full((longest, longest), float("-inf"), device=device).triu_(1)
-        return cls(tensor(gather), tensor(real), tensor(rows), mask, len(spans), longest)
+        mask = torch.full((_BATCHED_PREFILL, _BATCHED_PREFILL), float("-inf"), device=device).triu_(1)
+        return cls(tensor(gather), tensor(real), tensor(rows), mask, len(spans))
 
 
 @dataclass
@@ -188,7 +180,7 @@ class AttentionMetadata:
     num_tokens: int
     groups: list[QueryGroup]  # the decode tokens' group first, if any
     prefills: list[PrefillSpan]  # the chunks of several tokens (none in batch-invariant mode)
-    prefill_batches: list[PrefillBatch] = field(default_factory=list)  # those of `prefills` they take
+    prefill_batch: PrefillBatch | None = None  # those of `prefills` it takes, attended together
 
     @classmethod
     def build(cls, batch: ForwardBatch, kv_cache: torch.Tensor, batch_invariant: bool = False
@@ -207,7 +199,7 @@ class AttentionMetadata:
             return cls(batch.slot_mapping, starts[-1], groups, [])
         prefills = [_prefill_span(batch, i, starts[i], block_size) for i in chunked]
         return cls(batch.slot_mapping, starts[-1], groups, prefills,
-                   PrefillBatch.all_of(prefills, batch.block_tables.device))
+                   PrefillBatch.of(prefills, batch.block_tables.device))
 
 
 def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], kv_cache: torch.Tensor,
@@ -289,10 +281,11 @@ def paged_attention(
     for group in groups:
         attended = _attend(q.index_select(0, group.rows), kv_cache, group, scale)
         out.index_copy_(0, group.rows, attended.to(q.dtype))
-    for together in meta.prefill_batches:
-        out.index_copy_(0, together.rows, _batched_prefill_attention(q, k, v, together, scale).to(q.dtype))
+    if meta.prefill_batch is not None:
+        attended = _batched_prefill_attention(q, k, v, meta.prefill_batch, scale)
+        out.index_copy_(0, meta.prefill_batch.rows, attended.to(q.dtype))
     for span in meta.prefills:
-        if PrefillBatch.padded_length(span) is not None:
+        if PrefillBatch.takes(span):
             continue
         rows = slice(span.start, span.start + span.length)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
@@ -378,7 +371,7 @@ def _batched_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale: float) -> torch.Tensor:
     """The batch's chunks: their rows of q [T, heads, head_dim] -> [tokens, heads * head_dim] float32, in the
     order of `batch.rows`. GQA without repeating K/V: the query heads of one KV head are its rows."""
-    count, longest = batch.count, batch.longest
+    count, longest = batch.count, _BATCHED_PREFILL
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     per_kv = heads // kv_heads
 
