@@ -143,12 +143,13 @@ def test_one_batch_of_sequences_of_different_lengths(models: Models) -> None:
 
 
 def test_a_prompt_gets_the_same_logits_beside_others_as_alone() -> None:
-    """Short prompts are attended in batches of those that pad alike (`attention.PrefillBatch`): a prompt's
-    padding is its own, so its logits are bit for bit those it gets alone, whatever prompts share its step
-    (as the engine needs: a request must not change another's answer). In bfloat16, as served: float32's
-    MKL matmuls round a row otherwise as the rows beside it change (the batch-invariant mode's concern)."""
+    """Short prompts are attended in one batch, each padded to 16 rows (`attention.PrefillBatch`), and a
+    prompt alone the same way: its logits are bit for bit those it gets alone, whatever prompts share its
+    step (as the engine needs: a request must not change another's answer). In bfloat16, as served:
+    float32's MKL matmuls round a row otherwise as the rows beside it change (the batch-invariant mode's
+    concern)."""
     dtype = torch.bfloat16
-    model = load_model(tiny_model("llama"), dtype="bfloat16", device=TEST_DEVICE).model
+    model = load_model(tiny_model("llama"), dtype=str(dtype).removeprefix("torch."), device=TEST_DEVICE).model
     model.freeze()
     prompt = random_tokens(10, seed=5)
     alone = PagedRunner(model, dtype=dtype).step([(0, prompt)])[0]

@@ -153,11 +153,8 @@ class PrefillBatch:
         return span.context == 0 and span.length <= _BATCHED_PREFILL
 
     @classmethod
-    def of(cls, spans: list[PrefillSpan], device: torch.device) -> PrefillBatch | None:
-        """The batch of the spans it takes; None where it takes none."""
-        spans = [span for span in spans if cls.takes(span)]
-        if not spans:
-            return None
+    def of(cls, spans: list[PrefillSpan], device: torch.device) -> PrefillBatch:
+        """The batch of `spans`, each one it `takes`."""
         gather, real, rows = [], [], []
         for i, span in enumerate(spans):
             chunk = list(range(span.start, span.start + span.length))
@@ -179,8 +176,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     num_tokens: int
     groups: list[QueryGroup]  # the decode tokens' group first, if any
-    prefills: list[PrefillSpan]  # the chunks of several tokens (none in batch-invariant mode)
-    prefill_batch: PrefillBatch | None = None  # those of `prefills` it takes, attended together
+    prefills: list[PrefillSpan]  # the chunks of several tokens attended alone (none in batch-invariant mode)
+    prefill_batch: PrefillBatch | None = None  # the others, attended together
 
     @classmethod
     def build(cls, batch: ForwardBatch, kv_cache: torch.Tensor, batch_invariant: bool = False
@@ -197,9 +194,11 @@ class AttentionMetadata:
         if batch_invariant:
             groups += [tile for i in chunked for tile in _prefill_tiles(batch, i, starts[i], kv_cache)]
             return cls(batch.slot_mapping, starts[-1], groups, [])
-        prefills = [_prefill_span(batch, i, starts[i], block_size) for i in chunked]
-        return cls(batch.slot_mapping, starts[-1], groups, prefills,
-                   PrefillBatch.of(prefills, batch.block_tables.device))
+        spans = [_prefill_span(batch, i, starts[i], block_size) for i in chunked]
+        together = [span for span in spans if PrefillBatch.takes(span)]
+        alone = [span for span in spans if not PrefillBatch.takes(span)]
+        return cls(batch.slot_mapping, starts[-1], groups, alone,
+                   PrefillBatch.of(together, batch.block_tables.device) if together else None)
 
 
 def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], kv_cache: torch.Tensor,
@@ -285,8 +284,6 @@ def paged_attention(
         attended = _batched_prefill_attention(q, k, v, meta.prefill_batch, scale)
         out.index_copy_(0, meta.prefill_batch.rows, attended.to(q.dtype))
     for span in meta.prefills:
-        if PrefillBatch.takes(span):
-            continue
         rows = slice(span.start, span.start + span.length)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_cache, span, scale)
     return out
@@ -375,14 +372,14 @@ def _batched_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     per_kv = heads // kv_heads
 
-    def padded(x: torch.Tensor, rows: int) -> torch.Tensor:  # [T, h, d] -> [count * kv_heads, rows, d]
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, h, d] -> [count * kv_heads, h / kv_heads * longest, d]
         x = x.index_select(0, batch.gather).float().view(count, longest, kv_heads, -1, head_dim)
-        return x.permute(0, 2, 3, 1, 4).reshape(count * kv_heads, rows, head_dim)
+        return x.permute(0, 2, 3, 1, 4).reshape(count * kv_heads, -1, head_dim)
 
-    scores = torch.bmm(padded(q, per_kv * longest), padded(k, longest).transpose(1, 2))
+    scores = torch.bmm(padded(q), padded(k).transpose(1, 2))
     scores = scores.view(-1, longest, longest).mul_(scale).add_(batch.mask)
     probs = scores.softmax(dim=-1).view(count * kv_heads, per_kv * longest, longest)
-    out = torch.bmm(probs, padded(v, longest)).view(count, kv_heads, per_kv, longest, head_dim)
+    out = torch.bmm(probs, padded(v)).view(count, kv_heads, per_kv, longest, head_dim)
     return out.permute(0, 3, 1, 2, 4).reshape(count * longest, heads * head_dim).index_select(0, batch.real)
 
 
