@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -31,6 +32,7 @@ from gracelm.model.gguf_int4 import input_copies, int4_blocks
 from gracelm.model.kernel_library import LOADED
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels, set_int4_max_rows
 from gracelm.model.loader import LoadedModel, load_model
+from gracelm.model.low_bit_gate import SHORT_PROMPT
 from gracelm.model.model_files import ModelLoadError
 from gracelm.model.quantized_linear import (
     GROUP_SIZE,
@@ -64,6 +66,7 @@ needs_native_bf16 = pytest.mark.skipif(not NATIVE_BF16, reason="bfloat16 is emul
 # What `--dtype auto` runs a 4-bit model in here, and the dense bfloat16 kernel.
 SERVED_DTYPE = torch.bfloat16 if NATIVE_BF16 else torch.float32
 DENSE_BF16 = "bfloat16 oneDNN" if NATIVE_BF16 else "bfloat16 F.linear"
+DENSE_OP = "mkldnn::_linear_pointwise" if NATIVE_BF16 else "aten::linear"
 
 
 def quantized(shape: tuple[int, int], qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -213,10 +216,11 @@ def decode_logits(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> tor
 def description(form: str, dtype: torch.dtype, qtype: Q) -> str:
     """How the log describes a model's low-bit form, for decode steps of how many rows."""
     if form == "blocks":
-        return ("the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels) for decode steps of "
-                f"<= {BLOCK_MAX_ROWS} rows")
+        return ("the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels) for decode tokens "
+                f"and prompts of < {SHORT_PROMPT} tokens, <= {BLOCK_MAX_ROWS} rows a step")
     halves = qtype == Q.Q8_0 and dtype == torch.bfloat16
-    return (f"int4 (group 32, bfloat16 scales) for decode steps of <= {int4_rows_for(dtype)} rows"
+    return (f"int4 (group 32, bfloat16 scales) for decode tokens and prompts of < {SHORT_PROMPT} tokens, "
+            f"<= {int4_rows_for(dtype)} rows a step"
             f"{f' (8-bit matrices as 4-bit halves: <= {HALVES_MAX_ROWS})' if halves else ''}")
 
 
@@ -235,7 +239,7 @@ def test_a_4bit_gguf_model_serves_decode_steps_through_its_low_bit_form(tmp_path
     assert not loaded.int4  # handed over
     dense_kernel = DENSE_BF16 if loaded.dtype == torch.bfloat16 else "float32 F.linear"
     assert describe_linear_kernels(loaded.model).startswith(
-        f"{description(form, loaded.dtype, qtype)}, {dense_kernel} above and for prompts, "
+        f"{description(form, loaded.dtype, qtype)}, {dense_kernel} above and for longer prompts, "
         f"for {2 * 4 + 1} of {2 * 4 + 1} matmuls")
     dense = load_model(path, dtype="bfloat16", quantization="none")
     assert not dense.int4
@@ -255,32 +259,82 @@ def test_a_4bit_gguf_model_serves_decode_steps_through_its_low_bit_form(tmp_path
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_prompt_rows_take_the_dense_weights_however_few(tmp_path: Path, form: str) -> None:
-    """A prompt's tail of 2 rows (what is left when the prefix cache served its head) runs dense, as the
-    whole prompt does; so does a tail of 1 row (shaped like a decode step, but its logits choose the first
-    token: the batch's prompt lengths say so), and a step mixing decode tokens and a prompt; a decode step
-    of 2 rows runs the low-bit form."""
+def test_decode_tokens_and_short_prompts_take_the_low_bit_form_longer_prompts_the_dense(tmp_path: Path,
+                                                                                     form: str) -> None:
+    """By each sequence's whole prompt length, whatever its chunk: a prompt of SHORT_PROMPT tokens or more
+    runs dense, its head, a tail of 2 rows (what is left when the prefix cache served its head) and a tail
+    of 1 row (shaped like a decode step, but its logits choose the first token: the batch's prompt lengths
+    say so); a shorter prompt, however its rows come, and decode tokens run the low-bit form; a step mixing
+    the two runs each of its rows as it would run alone, so both kernels."""
     loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16", quantization=form)
     loaded.freeze()
-    assert FORM_OPS[form] not in kernels_of_step(loaded, [4], 0, [6])  # a prompt's head
-    assert FORM_OPS[form] not in kernels_of_step(loaded, [2], 4, [6])  # its tail: 2 rows, still a prompt's
-    assert FORM_OPS[form] not in kernels_of_step(loaded, [1], 5, [6])  # a tail of 1 row
-    assert FORM_OPS[form] not in kernels_of_step(loaded, [1, 3], 4, [4, 7])  # decode and prompt rows
-    assert FORM_OPS[form] in kernels_of_step(loaded, [1, 1], 6, [6, 4])  # two decode tokens
-    assert FORM_OPS[form] in kernels_of_step(loaded, [1, 1], 6)  # the same, prompt lengths not given
+    low, long = FORM_OPS[form], SHORT_PROMPT + 4
+    assert kernels_of_step(loaded, [4], 0, [long]) & {low, DENSE_OP} == {DENSE_OP}  # a long prompt's head
+    assert kernels_of_step(loaded, [2], long - 2, [long]) & {low, DENSE_OP} == {DENSE_OP}  # its tail
+    assert kernels_of_step(loaded, [1], long - 1, [long]) & {low, DENSE_OP} == {DENSE_OP}  # a 1-row tail
+    assert kernels_of_step(loaded, [6], 0, [6]) & {low, DENSE_OP} == {low}  # a short prompt whole
+    short = SHORT_PROMPT - 1
+    assert kernels_of_step(loaded, [2], short - 2, [short]) & {low, DENSE_OP} == {low}  # a short one's tail
+    assert kernels_of_step(loaded, [1, 1], 6, [6, 4]) & {low, DENSE_OP} == {low}  # two decode tokens
+    assert kernels_of_step(loaded, [1, 1], 6) & {low, DENSE_OP} == {low}  # the same, prompt lengths not given
+    assert kernels_of_step(loaded, [1, 3], 4, [4, long]) & {low, DENSE_OP} == {low, DENSE_OP}  # both kinds
+
+
+@no_vnni
+def test_a_sequence_gets_the_same_logits_beside_others_as_alone(tmp_path: Path) -> None:
+    """Through the blocks' kernel (which serves any count of rows that a step has): a decode token and a
+    short prompt, each computed alone and then in one step beside a long prompt's chunk (which runs
+    dense), get bit for bit the same logits, so a request's answer does not depend on the others in its
+    step. (torch's int4 kernel serves at most 8 rows: a decode token beside more runs dense.)"""
+    loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16", quantization="blocks")
+    loaded.freeze()
+    caches = allocate_kv_cache(loaded.config, 8, 16, loaded.dtype)
+    tokens = torch.randint(1, VOCAB, (3, 2 * 16), generator=torch.Generator().manual_seed(2))
+    decoding = Sequence(tokens[0], blocks=[0, 1], prompt=5)
+    short = Sequence(tokens[1], blocks=[2, 3], prompt=SHORT_PROMPT - 1)
+    long = Sequence(tokens[2], blocks=[4, 5], prompt=SHORT_PROMPT + 8)
+    run_step(loaded, caches, [(decoding, 0, 5)])  # its prompt, cached
+    alone = [run_step(loaded, caches, [(decoding, 5, 1)]),
+             run_step(loaded, caches, [(short, 0, short.prompt)])]
+    together = run_step(loaded, caches, [(decoding, 5, 1), (long, 0, 8), (short, 0, short.prompt)])
+    assert torch.equal(together[0], alone[0][0]) and torch.equal(together[2], alone[1][0])
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor
+    blocks: list[int]  # of a cache of 16-token blocks
+    prompt: int  # its prompt's length
+
+
+def run_step(loaded: LoadedModel, caches: list[torch.Tensor], chunks: list[tuple[Sequence, int, int]]
+             ) -> torch.Tensor:
+    """The logits of the last token of each (sequence, start, length) chunk, computed in one step."""
+    sequences = [seq for seq, _, _ in chunks]
+    positions = [torch.arange(start, start + length) for _, start, length in chunks]
+    pairs = list(zip(sequences, positions, strict=True))
+    batch = ForwardBatch(
+        input_ids=torch.cat([seq.tokens[p] for seq, p in pairs]), positions=torch.cat(positions),
+        slot_mapping=torch.cat([torch.tensor(seq.blocks)[p // 16] * 16 + p % 16 for seq, p in pairs]),
+        query_lens=[length for _, _, length in chunks],
+        seq_lens=[start + length for _, start, length in chunks],
+        block_tables=torch.tensor([seq.blocks for seq in sequences]),
+        logits_indices=torch.tensor([length for _, _, length in chunks]).cumsum(0) - 1,
+        prompt_lens=[seq.prompt for seq in sequences])
+    return loaded.model(batch, caches)
 
 
 def kernels_of_step(loaded: LoadedModel, query_lens: list[int], start: int,
                     prompt_lens: list[int] | None = None) -> set[str]:
     """The ops a forward of sequences of `query_lens` new tokens after `start` cached ones, of prompts of
-    `prompt_lens` tokens (None: not given), each over its own block of a fresh cache, runs."""
-    caches = allocate_kv_cache(loaded.config, len(query_lens), 16, loaded.dtype)
+    `prompt_lens` tokens (None: not given), each over its own two blocks of a fresh cache, runs."""
+    caches = allocate_kv_cache(loaded.config, 2 * len(query_lens), 16, loaded.dtype)
     rows = sum(query_lens)
     positions = torch.tensor([start + i for q in query_lens for i in range(q)])
-    slots = torch.tensor([seq * 16 + start + i for seq, q in enumerate(query_lens) for i in range(q)])
+    slots = torch.tensor([seq * 32 + start + i for seq, q in enumerate(query_lens) for i in range(q)])
     batch = ForwardBatch(input_ids=torch.arange(rows) + 1, positions=positions, slot_mapping=slots,
                          query_lens=query_lens, seq_lens=[start + q for q in query_lens],
-                         block_tables=torch.arange(len(query_lens))[:, None],
+                         block_tables=torch.arange(2 * len(query_lens)).view(-1, 2),
                          logits_indices=torch.tensor(query_lens).cumsum(0) - 1, prompt_lens=prompt_lens)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         loaded.model(batch, caches)

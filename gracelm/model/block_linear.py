@@ -21,9 +21,10 @@ It serves decode steps of any count (`MAX_ROWS`, `quantized_linear.rows_for`): a
 on the default model's 30 layers (4-bit matrices of the real shapes, 2 threads, a Zen 5; medians of
 interleaved runs), time of this kernel over oneDNN's: 0.33 at 1 row, 0.40 at 8, 0.55 at 16, 0.60 at 32,
 0.78 at 64, 0.77 at 128-256, 0.94-0.96 at 512-1,024; its 8-bit logits head 0.51, 0.52, 0.71, 0.82,
-0.84, 0.83-0.93. Prompts keep the dense bfloat16 weights (`quantized_linear.Int4Gate`), as with torch's
-int4 kernel: their logits choose a reply's first token, where the small default model has near ties that
-8-bit activations flip ("What is the capital of France?" as a chat: "L" 24.88 against "The" 24.75, and
+0.84, 0.83-0.93. Prompts of 16 tokens or more keep the dense bfloat16 weights (`low_bit_gate.py`), as
+with torch's int4 kernel: their logits choose a reply's first token, where the small default model has
+near ties that 8-bit activations flip ("What is the capital of France?" as a chat: "L" 24.88 against
+"The" 24.75, and
 the reply "L'Étoile, la Marseillaise, ...", llama-server's own; bfloat16 activations: "The" 25.50 against
 "L" 25.38, "The capital of France is Paris.").
 

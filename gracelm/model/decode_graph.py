@@ -179,7 +179,7 @@ def compile_graph(model: nn.Module, block_size: int, rows: range, path: Path) ->
         seqs = torch.export.Dim("seqs", min=rows.start, max=rows.stop - 1)
         dynamic = ({0: seqs}, {0: seqs}, {0: seqs}, {0: seqs}, {0: seqs, 1: blocks}, {1: seqs, 4: context},
                    {0: seqs, 1: context}, {0: seqs}, [{2: cache_blocks}] * len(args[-1]))
-    decoder.int4_gate.prompt_step = False
+    decoder.int4_gate.rows = True  # traced as a step of decode tokens alone
     with torch.inference_mode():
         exported = torch.export.export(_DecoderStack(decoder), args, dynamic_shapes=dynamic, strict=False)
     temporary = path.with_name(f".{path.stem}.{os.getpid()}.pt2")

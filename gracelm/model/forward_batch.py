@@ -30,13 +30,14 @@ class ForwardBatch:
     # tokens is taken for a prompt's, a single token for a decode step.
     prompt_lens: list[int] | None = None
 
-    def has_prompt_rows(self) -> bool:
-        """Whether some sequence's new tokens include prompt positions (a prompt's chunk, however short, or
-        tokens recomputed after a preemption)."""
+    def low_bit_sequences(self, short_prompt: int) -> list[bool]:
+        """Per sequence, whether its new tokens take a model's low-bit forms (`low_bit_gate.py`): a decode
+        token does, and every token of a prompt of fewer than `short_prompt` tokens (a chunk of it, or
+        tokens recomputed after a preemption, too); those of longer prompts do not."""
         if self.prompt_lens is None:
-            return any(q > 1 for q in self.query_lens)
-        return any(q > 1 or seq - q < prompt
-                   for q, seq, prompt in zip(self.query_lens, self.seq_lens, self.prompt_lens, strict=True))
+            return [q == 1 for q in self.query_lens]
+        return [prompt < short_prompt or (q == 1 and seq - q >= prompt)
+                for q, seq, prompt in zip(self.query_lens, self.seq_lens, self.prompt_lens, strict=True)]
 
     @classmethod
     def from_step_batch(cls, batch: StepBatch, device: torch.device | str = "cpu") -> ForwardBatch:

@@ -24,11 +24,11 @@ from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.attention import AttentionMetadata, paged_attention
 from gracelm.model.decode_graph import DecodeGraph
 from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.low_bit_gate import SHORT_PROMPT, Int4Gate
 from gracelm.model.quantized_linear import (
     INT4_MAX_ROWS,
     KERNEL_DTYPE,
     Int4Choice,
-    Int4Gate,
     LowBitForm,
     rows_for,
 )
@@ -59,10 +59,10 @@ class FrozenLinear(nn.Module):
     at batch 1 and 1.2-1.4x at batch 64 on this project's machine. Float32 keeps the plain weight and MKL,
     so float32 logits stay those of transformers.
 
-    With a 4-bit form (`int4`), a call of at most `int4_max_rows` rows uses it instead, in a model only in
-    steps of decode tokens alone (`quantized_linear.Int4Gate`): the int4 kernel reads a quarter of the
+    With a 4-bit form (`int4`), at most `int4_max_rows` rows of a call use it instead, in a model only the
+    rows of decode tokens and short prompts (`low_bit_gate.py`): the int4 kernel reads a quarter of the
     bytes, which decides a decode step of few sequences (`model/quantized_linear.py`). `int4_max_rows` may
-    be set at any time: 0 never uses the int4 form, `sys.maxsize` always does (one kernel for every step)."""
+    be set at any time: 0 never uses the int4 form, `sys.maxsize` always does (one kernel for every row)."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
                  int4: LowBitForm | None = None, int4_max_rows: int = INT4_MAX_ROWS) -> None:
@@ -104,10 +104,20 @@ class FrozenLinear(nn.Module):
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T + bias, one kernel call: the 4-bit form's where the gate admits it, else the dense."""
-        if self.int4 is not None and self.int4_gate.admits(x.shape[0], self.int4.halves):
-            out = self.int4(x)
-            return out if self.bias is None else out + self.bias
+        """x @ weight.T + bias: the 4-bit form's for the rows the gate gives it, the dense for the others."""
+        rows = False if self.int4 is None else self.int4_gate.low_rows(x.shape[0], self.int4.halves)
+        if rows is True:
+            return self._low_bit(x)
+        if rows is False:
+            return self._dense(x)
+        return rows.combine(self._low_bit(x.index_select(0, rows.low)),
+                            self._dense(x.index_select(0, rows.dense)))
+
+    def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.int4(x)
+        return out if self.bias is None else out + self.bias
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -159,8 +169,8 @@ def describe_linear_kernels(module: nn.Module) -> str:
         return f"{with_int4[0].int4.describe()} for every step, {counts}"
     halves = any(m.int4.halves for m in with_int4) and rows(True) != rows(False)
     halves_rows = f" (8-bit matrices as 4-bit halves: <= {rows(True)})" if halves else ""
-    return (f"{with_int4[0].int4.describe()} for decode steps of <= {rows(False)} rows"
-            f"{halves_rows}, {dense} above and for prompts, {counts}")
+    return (f"{with_int4[0].int4.describe()} for decode tokens and prompts of < {SHORT_PROMPT} tokens, "
+            f"<= {rows(False)} rows a step{halves_rows}, {dense} above and for longer prompts, {counts}")
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
@@ -299,10 +309,14 @@ class LlamaModel(nn.Module):
         x, cos, sin, meta = self.step_inputs(batch, kv_caches)
         graph = self._graph_for(batch)
         if graph is not None:
-            return graph(x, cos, sin, meta, kv_caches).index_select(0, batch.logits_indices)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x.index_select(0, batch.logits_indices))
+            hidden = graph(x, cos, sin, meta, kv_caches).index_select(0, batch.logits_indices)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, cos, sin, kv_cache, meta)
+            hidden = self.norm(x.index_select(0, batch.logits_indices))
+        if self.int4_gate is not None:
+            self.int4_gate.select(batch.logits_indices)  # the rows of the logits head, which comes next
+        return hidden
 
     def step_inputs(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -312,13 +326,14 @@ class LlamaModel(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
         meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant)
         if self.int4_gate is not None:
-            self.int4_gate.prompt_step = batch.has_prompt_rows()
+            self.int4_gate.mark(batch.low_bit_sequences(SHORT_PROMPT), batch.query_lens)
         return x, cos, sin, meta
 
     def _graph_for(self, batch: ForwardBatch) -> DecodeGraph | None:
         """The compiled decode step that serves this step, if any: they were traced through the int4
         kernels."""
-        if not self.decode_graphs or self.batch_invariant or not self.int4_gate.admits(len(batch.query_lens)):
+        if (not self.decode_graphs or self.batch_invariant
+                or self.int4_gate.low_rows(len(batch.query_lens)) is not True):
             return None
         return next((graph for graph in self.decode_graphs if graph.serves(batch)), None)
 

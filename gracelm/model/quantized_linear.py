@@ -1,7 +1,7 @@
-"""A GGUF file's low-bit matrices for decode steps: which form serves them (`form_for`: the blocks'
-8-bit-activation kernel of `block_linear.py` where the CPU has AVX-512 VNNI, else torch's int4 kernel), the
-gate `FrozenLinear` asks whether a step takes them (`Int4Gate`, `rows_for`), and torch's form itself:
-4-bit weights in the form of its CPU weight-only kernel (`aten._weight_int4pack_mm_for_cpu`).
+"""A GGUF file's low-bit matrices for decode steps and short prompts: which form serves them (`form_for`: the
+blocks' 8-bit-activation kernel of `block_linear.py` where the CPU has AVX-512 VNNI, else torch's int4
+kernel), how many rows of a call they serve at most (`rows_for`; which rows: `low_bit_gate.py`), and torch's
+form itself: 4-bit weights in the form of its CPU weight-only kernel (`aten._weight_int4pack_mm_for_cpu`).
 
 The form: a [N, K] weight cut along K into groups of `GROUP_SIZE`; each group of a row has a scale s and a
 zero z, and w = s·(q − 8) + z for the 4-bit q in 0..15. GGUF's own 4-bit blocks are such groups, so they
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -49,6 +48,7 @@ from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
 from gracelm.model.block_linear import BlockLinear
 from gracelm.model.block_linear import serves as block_serves
 from gracelm.model.gguf_int4 import input_copies, int4_blocks
+from gracelm.model.low_bit_gate import Int4Gate
 
 # The activations' and scales' dtype of the kernel's vectorised path: other activations are cast to it.
 KERNEL_DTYPE = torch.bfloat16
@@ -175,28 +175,6 @@ def form_for(quantization: str) -> type[LowBitForm] | None:
         raise ValueError("--quantization blocks needs a CPU with AVX-512 VNNI and gracelm._kernels built; "
                          "this one runs --quantization int4 (torch's int4 kernel)")
     return BlockLinear
-
-
-class Int4Gate:
-    """When 4-bit forms serve: in calls of at most `max_rows` rows (0: never; `sys.maxsize`: always), and,
-    once a model shares the gate among its linears (`Int4Choice`), only in its steps of decode tokens alone:
-    the model says per forward pass whether the step has prompt rows (`prompt_step`). A prompt's rows take
-    the dense weights however few they are, so a prompt gets the same logits whether the prefix cache
-    served its head (leaving a short tail to compute) or not: a seeded request run twice answers alike."""
-
-    def __init__(self, max_rows: int, halves_max_rows: int | None = None) -> None:
-        self.max_rows = max_rows
-        self.halves_max_rows = halves_max_rows  # a tighter bound for 8-bit halves, if any (`halves_rows_for`)
-        self.prompt_step = False
-
-    def bound(self, halves: bool) -> int:
-        """The most rows a form admits; `halves`: it is an 8-bit matrix's two 4-bit halves."""
-        if self.max_rows == sys.maxsize or not halves or self.halves_max_rows is None:
-            return self.max_rows
-        return min(self.max_rows, self.halves_max_rows)
-
-    def admits(self, rows: int, halves: bool = False) -> bool:
-        return self.max_rows == sys.maxsize or (rows <= self.bound(halves) and not self.prompt_step)
 
 
 @dataclass(frozen=True)

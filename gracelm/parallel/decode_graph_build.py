@@ -41,7 +41,7 @@ def graph_applies(config: EngineConfig, loaded: LoadedModel, world_size: int) ->
     model with int4 forms runs in bfloat16, or in float32 where bfloat16 is emulated)."""
     gate = loaded.model.model.int4_gate
     return (not config.enforce_eager and not config.deterministic and world_size == 1
-            and loaded.device.type == "cpu" and gate is not None and gate.admits(1))
+            and loaded.device.type == "cpu" and gate is not None and gate.bound(False) >= 1)
 
 
 class DecodeGraphBuild:
