@@ -5,9 +5,10 @@ rounding of bfloat16 scales as served, each row computed as if alone; `FrozenLin
 number of rows (seen in the profiler) and can be forced to one. For both low-bit forms (`FORMS`: torch's
 int4 kernel, and the blocks' 8-bit-activation kernel of `model/block_linear.py`, whose own matmul
 tests are in test_block_linear.py): the form is cached; a 4-bit GGUF model serves decode steps through it,
-in bfloat16 and in float32 chosen by `--dtype auto` (an engine says so in its log), prompts through the dense
-weights; a float32 asked for and `--quantization none` keep dense weights; on the default model the greedy
-tokens agree with the dense path where the dense logits do not nearly tie."""
+in bfloat16 and in float32 chosen by `--dtype auto` (an engine says so in its log), short prompts too,
+longer ones through the dense weights, each sequence's rows as alone beside others; a float32 asked for
+and `--quantization none` keep dense weights; on the default model the greedy tokens agree with the dense
+path where the dense logits do not nearly tie."""
 
 from __future__ import annotations
 

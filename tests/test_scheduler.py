@@ -176,8 +176,8 @@ def test_prefix_hits_are_counted_in_tokens():
 
 def test_a_step_says_each_sequence_s_prompt_length():
     """A prefix-cache hit that leaves one prompt token to compute gives a chunk of one row, shaped like a
-    decode step's: the batch's `prompt_lens` tell the model that row is the prompt's (its logits choose the
-    first token, which the decode kernels' 8-bit activations may flip: `quantized_linear.Int4Gate`)."""
+    decode step's: the batch's `prompt_lens` tell the model that row is the prompt's, of 9 tokens (a prompt
+    takes the weights its whole length gives it: `model/low_bit_gate.py`)."""
     cfg = config(block_size=4)
     scheduler, model = Scheduler(cfg), FakeModel(cfg)
     prompt = list(range(1, 10))  # 2 full blocks and 1 token
