@@ -24,9 +24,8 @@ interleaved runs), time of this kernel over oneDNN's: 0.33 at 1 row, 0.40 at 8, 
 0.84, 0.83-0.93. Prompts of 16 tokens or more keep the dense bfloat16 weights (`low_bit_gate.py`), as
 with torch's int4 kernel: their logits choose a reply's first token, where the small default model has
 near ties that 8-bit activations flip ("What is the capital of France?" as a chat: "L" 24.88 against
-"The" 24.75, and
-the reply "L'Étoile, la Marseillaise, ...", llama-server's own; bfloat16 activations: "The" 25.50 against
-"L" 25.38, "The capital of France is Paris.").
+"The" 24.75, and the reply "L'Étoile, la Marseillaise, ...", llama-server's own; bfloat16 activations:
+"The" 25.50 against "L" 25.38, "The capital of France is Paris.").
 
 The layout (`pack`): the outputs in tiles of 16 (one vector of sums), each tile's blocks in input order,
 a record per (tile, block): the 16 × 32 q as 8 vectors of 64 bytes, vector j holding inputs 4j..4j+3 of
