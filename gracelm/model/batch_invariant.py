@@ -8,7 +8,7 @@ in tests/test_deterministic.py):
   oneDNN's bfloat16 one, on a Zen 4 CPU, gives a row the same bits for every M from 1 to 32 (from 33 on it
   depends on M and the shape), while on a Zen 5 one the [576, 1536] down projection of the default model
   changes between M = 1, 2..6 and 7 on. So every matmul here has exactly `ROW_TILE` rows
-  (`RowTiledMatmul`), the last tile padded with zero rows: one kernel shape, in which a row's place and its
+  (`RowTiles`), the last tile padded with zero rows: one kernel shape, in which a row's place and its
   neighbours change nothing. A long prefill runs as many calls.
 - Attention: SDPA's blocking follows the prefill chunk's length, which follows the step's token budget and the
   other requests. In this mode every query row, decode or prefill, goes through the same row-invariant
@@ -33,24 +33,23 @@ from gracelm.model.llama import FrozenLinear, LlamaModel
 ROW_TILE = 32
 
 
-class RowTiledMatmul:
+class RowTiles:
     """`matmul(x)` for x [M, in] as ceil(M / tile) calls of exactly `tile` rows, the last one padded with zero
     rows (for M = 0, one call of no row: nothing to compute, the result's shape)."""
 
-    def __init__(self, matmul: Callable[[torch.Tensor], torch.Tensor], tile: int) -> None:
-        self.matmul = matmul
+    def __init__(self, tile: int) -> None:
         self.tile = tile
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows == 0:
-            return self.matmul(x)
+            return matmul(x)
         padding = -rows % self.tile
         if padding:
             x = F.pad(x, (0, 0, 0, padding))
         if rows + padding == self.tile:  # one call, no concatenation
-            return self.matmul(x)[:rows]
-        return torch.cat([self.matmul(part) for part in x.split(self.tile)])[:rows]
+            return matmul(x)[:rows]
+        return torch.cat([matmul(part) for part in x.split(self.tile)])[:rows]
 
 
 def make_batch_invariant(module: nn.Module) -> None:
@@ -59,7 +58,7 @@ def make_batch_invariant(module: nn.Module) -> None:
     for child in module.modules():
         if isinstance(child, FrozenLinear):
             # Both libraries take kernels of their own for some counts of rows (see above).
-            child.invariant_matmul = RowTiledMatmul(child.matmul, ROW_TILE)
+            child.row_tiles = RowTiles(ROW_TILE)
         elif isinstance(child, LlamaModel):
             child.batch_invariant = True
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from gracelm.model.quantized_linear import (
     rows_for,
 )
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+if TYPE_CHECKING:  # it imports this module
+    from gracelm.model.batch_invariant import RowTiles
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 
@@ -74,8 +78,8 @@ class FrozenLinear(nn.Module):
         self.weight = weight if self.packed is None else None
         self.int4 = None if int4 is None else int4.to_dtype(KERNEL_DTYPE)
         self.int4_gate = Int4Gate(int4_max_rows)  # its own until a model shares one (`of`)
-        # Batch-invariant mode: the matmul that replaces `matmul` (`batch_invariant.py`).
-        self.invariant_matmul: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Batch-invariant mode: each kernel called on a fixed count of rows (`batch_invariant.py`).
+        self.row_tiles: RowTiles | None = None
 
     @property
     def int4_max_rows(self) -> int:
@@ -99,19 +103,21 @@ class FrozenLinear(nn.Module):
         return frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant_matmul is not None:
-            return self.invariant_matmul(x)
         return self.matmul(x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T + bias: the 4-bit form's for the rows the gate gives it, the dense for the others."""
-        rows = False if self.int4 is None else self.int4_gate.low_rows(x.shape[0], self.int4.halves)
+        tile = None if self.row_tiles is None else self.row_tiles.tile
+        rows = False if self.int4 is None else self.int4_gate.low_rows(x.shape[0], self.int4.halves, tile)
         if rows is True:
-            return self._low_bit(x)
+            return self._call(self._low_bit, x)
         if rows is False:
-            return self._dense(x)
-        return rows.combine(self._low_bit(x.index_select(0, rows.low)),
-                            self._dense(x.index_select(0, rows.dense)))
+            return self._call(self._dense, x)
+        return rows.combine(self._call(self._low_bit, x.index_select(0, rows.low)),
+                            self._call(self._dense, x.index_select(0, rows.dense)))
+
+    def _call(self, kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return kernel(x) if self.row_tiles is None else self.row_tiles(kernel, x)
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         out = self.int4(x)

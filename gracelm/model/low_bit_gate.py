@@ -84,13 +84,16 @@ class Int4Gate:
         if isinstance(self.rows, RowSplit):
             self.rows = RowSplit.of(self.rows.mask.index_select(0, indices))
 
-    def low_rows(self, rows: int, halves: bool = False) -> RowSplit | bool:
-        """Which of a call's `rows` rows take the low-bit form: all (True), none (False) or a split; none
-        where they would be more than the form admits."""
+    def low_rows(self, rows: int, halves: bool = False, call_rows: int | None = None) -> RowSplit | bool:
+        """Which of a matmul's `rows` rows take the low-bit form: all (True), none (False) or a split; none
+        where the form's calls would have more rows than it admits (`call_rows` each where fixed, else as
+        many as it is given)."""
         if self.max_rows == sys.maxsize:
             return True
         marked = self.rows
         if isinstance(marked, RowSplit) and marked.mask.numel() != rows:
             raise ValueError(f"the gate's marks cover {marked.mask.numel()} rows; this call has {rows}")
-        count = rows if marked is True else 0 if marked is False else marked.low.numel()
-        return marked if 0 < count <= self.bound(halves) else False
+        if marked is False:
+            return False
+        count = rows if marked is True else marked.low.numel()
+        return marked if (call_rows or count) <= self.bound(halves) else False
