@@ -8,8 +8,8 @@ in tests/test_deterministic.py):
   oneDNN's bfloat16 one, on a Zen 4 CPU, gives a row the same bits for every M from 1 to 32 (from 33 on it
   depends on M and the shape), while on a Zen 5 one the [576, 1536] down projection of the default model
   changes between M = 1, 2..6 and 7 on. So every matmul here has exactly `ROW_TILE` rows
-  (`RowTiles`), the last tile padded with zero rows: one kernel shape, in which a row's place and its
-  neighbours change nothing. A long prefill runs as many calls.
+  (`row_tiles.RowTiles`), the last tile padded with zero rows: one kernel shape, in which a row's place and
+  its neighbours change nothing. A long prefill runs as many calls.
 - Attention: SDPA's blocking follows the prefill chunk's length, which follows the step's token budget and the
   other requests. In this mode every query row, decode or prefill, goes through the same row-invariant
   computation (`attention.py`, `AttentionMetadata.build(..., batch_invariant=True)`).
@@ -20,36 +20,14 @@ What does not vary: norms, RoPE and activations are row-wise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gracelm.model.llama import FrozenLinear, LlamaModel
+from gracelm.model.row_tiles import RowTiles
 
 # Rows of every matmul call, the last tile padded: oneDNN's bfloat16 kernels kept a row's bits up to 32 rows
 # on a Zen 4 CPU, and a call of a fixed count of rows is one kernel on any.
 ROW_TILE = 32
-
-
-class RowTiles:
-    """`matmul(x)` for x [M, in] as ceil(M / tile) calls of exactly `tile` rows, the last one padded with zero
-    rows (for M = 0, one call of no row: nothing to compute, the result's shape)."""
-
-    def __init__(self, tile: int) -> None:
-        self.tile = tile
-
-    def __call__(self, matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows == 0:
-            return matmul(x)
-        padding = -rows % self.tile
-        if padding:
-            x = F.pad(x, (0, 0, 0, padding))
-        if rows + padding == self.tile:  # one call, no concatenation
-            return matmul(x)[:rows]
-        return torch.cat([matmul(part) for part in x.split(self.tile)])[:rows]
 
 
 def make_batch_invariant(module: nn.Module) -> None:

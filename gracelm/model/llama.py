@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +33,7 @@ from gracelm.model.quantized_linear import (
     rows_for,
 )
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
-
-if TYPE_CHECKING:  # it imports this module
-    from gracelm.model.batch_invariant import RowTiles
+from gracelm.model.row_tiles import RowTiles
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 
