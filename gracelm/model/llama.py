@@ -100,9 +100,6 @@ class FrozenLinear(nn.Module):
         return frozen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T + bias: the 4-bit form's for the rows the gate gives it, the dense for the others."""
         tile = None if self.row_tiles is None else self.row_tiles.tile
         rows = False if self.int4 is None else self.int4_gate.low_rows(x.shape[0], self.int4.halves, tile)
