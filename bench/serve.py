@@ -2,10 +2,10 @@
 
 Fixed-seed prompts, a fixed number of concurrent clients, streaming chat completions (or plain
 completions, `--endpoint completions`); reports request throughput, output tokens/s, time to first token
-(TTFT) and inter-token latency (ITL) p50 / p99. The clients are aiohttp's (`pip install -e '.[bench]'`), on
-uvloop's event loop: the load generator shares the machine with the server it measures, and httpx's
-streaming took twice the CPU (2.2 s against 1.0 s for 96 requests of 128 tokens at 32 streams, ~900
-tok/s), taken from whichever server streams fastest.
+(TTFT) and inter-token latency (ITL) p50 / p99. The clients are aiohttp's (`pip install
+--no-build-isolation -e '.[bench]'`), on uvloop's event loop: the load generator shares the machine with
+the server it measures, and httpx's streaming took twice the CPU (2.2 s against 1.0 s for 96 requests of
+128 tokens at 32 streams, ~900 tok/s), taken from whichever server streams fastest.
 
     python bench/serve.py run --base-url http://127.0.0.1:8000 --concurrency 1 8 32
     python bench/serve.py setup-llama-cpp              # builds llama.cpp's llama-server in its own folder

@@ -1,7 +1,7 @@
 """Soak run of a real `gracelm serve`: an hour (--duration) of mixed load at bounded concurrency, with the
 server's processes sampled over time; a CSV, a plot and verdict lines at the end. Run by hand:
 
-    .venv/bin/pip install -e '.[bench]'       # matplotlib, for the plot
+    .venv/bin/pip install --no-build-isolation -e '.[bench]'       # matplotlib, for the plot
     .venv/bin/python bench/soak.py --out soak-out                      # the default model, 3600 s
     .venv/bin/python bench/soak.py --tiny --duration 60 --out /tmp/soak # a tiny random model, a quick try
     .venv/bin/python bench/soak.py --model PATH -- --max-num-seqs 16     # options after `--` go to serve
@@ -626,7 +626,10 @@ def main() -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("bench/soak.py needs matplotlib: .venv/bin/pip install -e '.[bench]'", file=sys.stderr)
+        print(
+            "bench/soak.py needs matplotlib: .venv/bin/pip install --no-build-isolation -e '.[bench]'",
+            file=sys.stderr,
+        )
         return 2
     model = args.model
     if args.tiny:
