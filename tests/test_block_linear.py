@@ -3,7 +3,7 @@
 own dequantized values exactly; the kernel computes its arithmetic (activations rounded to 8 bits per block
 of 32, exact integer sums, float32 scaling) up to float32 rounding, so it errs from the exact product of the
 file's weights by no more than that rounding's bound; on whole and partial tiles of outputs, rows across its
-chunks of 8, bfloat16 and float32 activations; each row computed as if alone, whatever the threads; stacked
+chunks, bfloat16 and float32 activations; each row computed as if alone, whatever the threads; stacked
 forms equal their parts; bad arguments raise an error naming the kernel. The kernel is part of the install
 (scripts/bootstrap.sh builds it): where it is missing these tests fail; only a CPU without AVX-512 VNNI
 skips them."""
@@ -24,9 +24,11 @@ pytestmark = pytest.mark.skipif(LOADED and not torch.ops.gracelm.block_matmul_se
                                 reason="this CPU lacks AVX-512 VNNI")
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
-# (outputs, inputs): whole tiles of 16 outputs, a partial last tile, a single block of inputs, a long row.
-SHAPES = [(64, 576), (40, 96), (200, 32), (17, 1536)]
-ROWS = [1, 2, 3, 7, 8, 9, 16, 33, 129]  # across the kernel's chunks of 8 rows
+# (outputs, inputs): whole tiles of 16 outputs (an even and an odd number), a partial last tile, a single
+# block of inputs, a long row.
+SHAPES = [(64, 576), (48, 64), (40, 96), (200, 32), (17, 1536)]
+# Across the kernel's chunks: of 8 rows and one tile below 24 rows, of 6 rows and two tiles from 24 on.
+ROWS = [1, 2, 3, 7, 8, 9, 16, 23, 24, 33, 129]
 
 
 def quantized(shape: tuple[int, int], qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
