@@ -1,10 +1,11 @@
 """The fused paged decode-attention kernel (`gracelm/model/decode_attention.py`, built from
 `gracelm/csrc/paged_decode_attention.cpp`) against a float64 reference over the same cached values: within
 1e-3 in bfloat16 and 1e-5 in float32, on paged caches whose blocks are shuffled, sequences of mixed lengths
-(one token, a block's worth and one either side, several hundred), GQA, MQA and plain multi-head, head sizes
-the kernel specialises (64, 128) and others (32, 80, 72: whole and partial lanes), blocks of 16 and of 5
-tokens. Bad arguments raise an error naming the kernel; the layers use it for decode tokens only. The kernel
-is part of the install (scripts/bootstrap.sh builds it): where it is missing these tests fail, not skip."""
+(one token, a block's worth and one either side, several hundred), GQA, MQA and plain multi-head, head
+sizes the kernel specialises (64, 128: in bfloat16 its `vdpbf16ps` path where the CPU has AVX512_BF16) and
+others (32, 80, 72: whole and partial lanes), blocks of 16 and of 5 tokens. Bad arguments raise an error
+naming the kernel; the layers use it for decode tokens only. The kernel is part of the install
+(scripts/bootstrap.sh builds it): where it is missing these tests fail, not skip."""
 
 from __future__ import annotations
 

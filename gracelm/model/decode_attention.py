@@ -4,10 +4,11 @@
 
 One query token per sequence attends the sequence's cached context, read block by block straight from the
 paged cache: no gathered copy of the keys, no masked padding up to the longest sequence, one pass for the
-scores and one for the values, float32 sums throughout. One task per (sequence, KV head) serves every
-query head of that KV head (GQA), so each key and value row is read once. It replaces the decode path of
-`attention.py:_group_attention` (gathered keys, a bf16 `bmm`, a masked softmax, an `embedding_bag` over the
-values) where it applies (`applies`); why a hand-written kernel: docs/architecture.md, "Decode attention".
+scores and one for the values, float32 sums throughout (from bfloat16 keys by `vdpbf16ps` where the CPU has
+AVX512_BF16). One task per (sequence, KV head) serves every query head of that KV head (GQA), so each key and
+value row is read once. It replaces the decode path of `attention.py:_group_attention` (gathered keys, a bf16
+`bmm`, a masked softmax, an `embedding_bag` over the values) where it applies (`applies`); why a hand-written
+kernel: docs/architecture.md, "Decode attention".
 """
 
 from __future__ import annotations
