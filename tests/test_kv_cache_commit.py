@@ -48,7 +48,10 @@ def test_the_commit_maps_every_page_and_keeps_what_was_written() -> None:
     assert all(resident_kb(cache) < 2048 * BLOCK_KB for cache in caches)
     commit = KVCacheCommit(caches, "test")
     during = write_blocks(caches, [5, 1000], seed=2)  # while the thread maps pages
-    commit_thread().join(60)
+    # Until every page is mapped (16 MiB may be done before the thread could be looked up by name).
+    deadline = time.monotonic() + 60
+    while [resident_kb(cache) for cache in caches] != [2048 * BLOCK_KB] * 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     commit.stop()
     assert [resident_kb(cache) for cache in caches] == [2048 * BLOCK_KB] * 2
     for cache, early, late in zip(caches, before, during, strict=True):
