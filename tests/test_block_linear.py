@@ -2,11 +2,14 @@
 `gracelm/csrc/block_matmul.cpp`): GGUF's Q4_0, Q4_1 and Q8_0 blocks read as scale·q + minimum hold gguf's
 own dequantized values exactly; the kernel computes its arithmetic (activations rounded to 8 bits per block
 of 32, exact integer sums, float32 scaling) up to float32 rounding, so it errs from the exact product of the
-file's weights by no more than that rounding's bound; on whole and partial tiles of outputs, rows across its
-chunks, bfloat16 and float32 activations; each row computed as if alone, whatever the threads; stacked
-forms equal their parts; bad arguments raise an error naming the kernel. The kernel is part of the install
-(scripts/bootstrap.sh builds it): where it is missing these tests fail; only a CPU without AVX-512 VNNI
-skips them."""
+file's weights by no more than that rounding's bound; on a CPU with AMX, calls of 16 rows or more of
+bfloat16 activations by 4-bit weights compute theirs (`block_matmul_amx.cpp`: the weights dequantized to
+bfloat16, float32 sums) up to float32 rounding; on whole and partial tiles of outputs, rows across its
+chunks and groups, bfloat16 and float32 activations; each row computed as if alone in any call its kernel
+serves, whatever the threads; stacked forms equal their parts; bad arguments raise an error naming the
+kernel. The kernel is part of the install (scripts/bootstrap.sh builds it): where it is missing these tests
+fail; only a CPU without AVX-512 VNNI skips them, and one without AMX the AMX kernel's cases (they then
+check the 8-bit one)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gracelm.model.block_linear import BLOCK, BlockLinear, record_bytes
+from gracelm.model.block_linear import BLOCK, BlockLinear, amx_rows, record_bytes
 from gracelm.model.gguf_int4 import BITS, file_blocks
 from gracelm.model.kernel_library import LOADED
 
@@ -27,8 +30,15 @@ TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # (outputs, inputs): whole tiles of 16 outputs (an even and an odd number), a partial last tile, a single
 # block of inputs, a long row.
 SHAPES = [(64, 576), (48, 64), (40, 96), (200, 32), (17, 1536)]
-# Across the kernel's chunks: of 8 rows and one tile below 24 rows, of 6 rows and two tiles from 24 on.
-ROWS = [1, 2, 3, 7, 8, 9, 16, 23, 24, 33, 129]
+# Across the kernel's chunks: of 8 rows and one tile below 24 rows, of 6 rows and two tiles from 24 on; the
+# AMX kernel's groups of 16 rows from 16 on, summed 4 groups at a time (129: 9 groups, the last of 1 row).
+ROWS = [1, 2, 3, 7, 8, 9, 15, 16, 23, 24, 33, 129]
+AMX_ROWS = amx_rows()  # 0 where this CPU lacks AMX
+
+
+def amx_serves(rows: int, qtype: Q, dtype: torch.dtype) -> bool:
+    """Whether a call of `rows` rows of `dtype` by `qtype` weights goes to the AMX kernel here."""
+    return 0 < AMX_ROWS <= rows and BITS[qtype] == 4 and dtype == torch.bfloat16
 
 
 def quantized(shape: tuple[int, int], qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -78,16 +88,25 @@ def test_the_kernel_computes_its_arithmetic_within_float32_rounding(qtype: Q, sh
                                                                     dtype: torch.dtype) -> None:
     """Against float64 over the same rounded activations and the file's weights; and against the exact
     product of the unrounded activations, within the rounding's own bound: each activation moves by at
-    most half its block's scale, so an output by at most sum over blocks of scale / 2 · sum |w|."""
+    most half its block's scale, so an output by at most sum over blocks of scale / 2 · sum |w|. The AMX
+    kernel's calls: against float64 over the activations as they are and the weights rounded as it rounds
+    them (scale·q + minimum to float32 in one rounding, then to bfloat16)."""
     blocks, weights = quantized(shape, qtype)
     form = BlockLinear.from_file(blocks, qtype)
+    q_weights, scales_w, minimums_w = file_blocks(blocks, qtype)
+    amx_weights = (scales_w.double().repeat_interleave(BLOCK, 1) * q_weights.double()
+                   + minimums_w.double().repeat_interleave(BLOCK, 1)).float().bfloat16().double()
     for rows in ROWS:
         x = activations(rows, shape[1], dtype)
         out = form(x)
         assert out.shape == (rows, shape[0]) and out.dtype == dtype
+        unit = 2.0**-8 if dtype == torch.bfloat16 else 0.0  # the output's own rounding
+        if amx_serves(rows, qtype, dtype):
+            ours = x.double() @ amx_weights.T
+            assert ((out.double() - ours).abs() <= 1e-5 * ours.abs().max() + unit * ours.abs()).all(), rows
+            continue
         q, scales = rounded(x)
         ours = (q * scales.repeat_interleave(BLOCK, 1)) @ weights.double().T
-        unit = 2.0**-8 if dtype == torch.bfloat16 else 0.0  # the output's own rounding
         scale = ours.abs().max()
         assert ((out.double() - ours).abs() <= 1e-5 * scale + unit * ours.abs()).all(), rows
         bound = (scales / 2) @ weights.abs().double().view(shape[0], -1, BLOCK).sum(-1).T
@@ -97,14 +116,19 @@ def test_the_kernel_computes_its_arithmetic_within_float32_rounding(qtype: Q, sh
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_each_row_is_computed_as_if_alone_whatever_the_threads(dtype: torch.dtype) -> None:
+    """A row of a call of 37 rows gets the bits it gets alone, on one thread: alone in a call of one row
+    from the 8-bit kernel, and from the AMX kernel, where it serves 37 rows, beside other rows up to its
+    least count (a call's own rows never meet)."""
     blocks, _ = quantized((200, 576), Q.Q4_1)
     form = BlockLinear.from_file(blocks, Q.Q4_1)
     x = activations(37, 576, dtype)
     together = form(x)
+    others = activations(AMX_ROWS - 1, 576, dtype, seed=1) if amx_serves(len(x), Q.Q4_1, dtype) \
+        else x[:0]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.cat([form(x[i : i + 1]) for i in range(len(x))])
+        alone = torch.cat([form(torch.cat([x[i : i + 1], others]))[:1] for i in range(len(x))])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, alone)

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from gracelm import Engine, SamplingParams
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
-from gracelm.model.block_linear import BlockLinear
+from gracelm.model.block_linear import BlockLinear, amx_rows
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.gguf_int4 import input_copies, int4_blocks
@@ -217,8 +217,10 @@ def decode_logits(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> tor
 def description(form: str, dtype: torch.dtype, qtype: Q) -> str:
     """How the log describes a model's low-bit form, for decode steps of how many rows."""
     if form == "blocks":
-        return ("the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels) for decode tokens "
-                f"and prompts of < {SHORT_PROMPT} tokens, <= {BLOCK_MAX_ROWS} rows a step")
+        amx = f", 4-bit ones x bfloat16 activations in calls of >= {amx_rows()} rows (AMX)" \
+            if amx_rows() else ""
+        return (f"the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels){amx} for decode "
+                f"tokens and prompts of < {SHORT_PROMPT} tokens, <= {BLOCK_MAX_ROWS} rows a step")
     halves = qtype == Q.Q8_0 and dtype == torch.bfloat16
     return (f"int4 (group 32, bfloat16 scales) for decode tokens and prompts of < {SHORT_PROMPT} tokens, "
             f"<= {int4_rows_for(dtype)} rows a step"
@@ -283,10 +285,12 @@ def test_decode_tokens_and_short_prompts_take_the_low_bit_form_longer_prompts_th
 
 @no_vnni
 def test_a_sequence_gets_the_same_logits_beside_others_as_alone(tmp_path: Path) -> None:
-    """Through the blocks' kernel (which serves any count of rows that a step has): a decode token and a
-    short prompt, each computed alone and then in one step beside a long prompt's chunk (which runs
-    dense), get bit for bit the same logits, so a request's answer does not depend on the others in its
-    step. (torch's int4 kernel serves at most 8 rows: a decode token beside more runs dense.)"""
+    """Through the blocks' kernels: a decode token and a short prompt (16 low-bit rows together), computed
+    in one step and then in one step beside a long prompt's chunk (which runs dense), get bit for bit the
+    same logits, so a request's answer does not depend on the others in its step; and each alone too, where
+    one kernel serves every count of rows (a CPU without AMX: on one with it, steps of 16 low-bit rows or
+    more take the AMX kernel, whose bfloat16 arithmetic differs from the 8-bit one's). (torch's int4 kernel
+    serves at most 8 rows: a decode token beside more runs dense.)"""
     loaded = load_model(tiny_gguf(tmp_path / "m.gguf", Q.Q4_1), dtype="bfloat16", quantization="blocks")
     loaded.freeze()
     caches = allocate_kv_cache(loaded.config, 8, 16, loaded.dtype)
@@ -295,10 +299,13 @@ def test_a_sequence_gets_the_same_logits_beside_others_as_alone(tmp_path: Path) 
     short = Sequence(tokens[1], blocks=[2, 3], prompt=SHORT_PROMPT - 1)
     long = Sequence(tokens[2], blocks=[4, 5], prompt=SHORT_PROMPT + 8)
     run_step(loaded, caches, [(decoding, 0, 5)])  # its prompt, cached
-    alone = [run_step(loaded, caches, [(decoding, 5, 1)]),
-             run_step(loaded, caches, [(short, 0, short.prompt)])]
+    low_bit = run_step(loaded, caches, [(decoding, 5, 1), (short, 0, short.prompt)])
     together = run_step(loaded, caches, [(decoding, 5, 1), (long, 0, 8), (short, 0, short.prompt)])
-    assert torch.equal(together[0], alone[0][0]) and torch.equal(together[2], alone[1][0])
+    assert torch.equal(together[0], low_bit[0]) and torch.equal(together[2], low_bit[1])
+    if amx_rows() == 0:
+        alone = [run_step(loaded, caches, [(decoding, 5, 1)]),
+                 run_step(loaded, caches, [(short, 0, short.prompt)])]
+        assert torch.equal(together[0], alone[0][0]) and torch.equal(together[2], alone[1][0])
 
 
 @dataclass

@@ -1,7 +1,8 @@
 // x @ W.T for a weight W stored in blocks of 32 inputs with a scale and a minimum each (GGUF's Q4_0, Q4_1
 // and Q8_0 read straight in), multiplied on AVX-512 VNNI in 8-bit integers: the activations are rounded
 // to 8 bits per block of 32 on the fly (as llama.cpp does), each block's products summed exactly in int32
-// and scaled in float32. Why, the layout and the arithmetic: gracelm/model/block_linear.py.
+// and scaled in float32. Why, the layout and the arithmetic: gracelm/model/block_linear.py. On a CPU with
+// AMX, calls of 16 rows or more of bfloat16 activations by 4-bit weights go to block_matmul_amx.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -12,19 +13,16 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "block_records.h"
+
 namespace {
 
-constexpr int64_t kBlock = 32;  // inputs per block: one scale and one minimum
-constexpr int64_t kLanes = 16;  // outputs per tile: one int32 or float32 vector
-constexpr int64_t kAhead = 4;   // records prefetched ahead
+using namespace gracelm::blocks;
+
 // From this many rows on, two tiles are computed together, 6 rows at a time; below, one tile, 8 rows at a
 // time (all their sums stay in registers). Two tiles share each broadcast of 4 activations: 7-12 % faster at
 // 24-48 rows, 3 % slower at 16, on the default model's matrices (Zen 5).
 constexpr int64_t kWideRows = 24;
-
-// Bytes of one (tile, block) record: the 16 x 32 weights, then 16 float16 scales and 16 float16 minimums.
-constexpr int64_t weight_bytes(int64_t bits) { return kLanes * kBlock * bits / 8; }
-constexpr int64_t record_bytes(int64_t bits) { return weight_bytes(bits) + 2 * kLanes * 2; }
 
 #define GRACELM_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
 
@@ -55,17 +53,6 @@ GRACELM_VNNI void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, 
       dsum[r * blocks + g] = amax / 127.f * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlow, qhigh)));
     }
   }
-}
-
-GRACELM_VNNI inline void store_row(__m512 sums, float* out) { _mm512_storeu_ps(out, sums); }
-
-// float32 -> bfloat16, rounded to nearest even (as torch rounds).
-GRACELM_VNNI inline void store_row(__m512 sums, c10::BFloat16* out) {
-  const __m512i bits = _mm512_castps_si512(sums);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
 // 4 activation bytes read as one integer (aliasing them is allowed).
@@ -215,6 +202,10 @@ bool block_matmul_serves() {
          __builtin_cpu_supports("fma");
 }
 
+// The least rows of a call that the AMX kernel serves (bfloat16 activations, 4-bit records); 0 where it does
+// not serve (no AMX, or the OS refused its registers).
+int64_t block_matmul_amx_rows() { return block_matmul_serves() && amx_serves() ? kAmxMinRows : 0; }
+
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t bits) {
   TORCH_CHECK(block_matmul_serves(), "block_matmul: this CPU lacks AVX-512 VNNI");
   TORCH_CHECK(bits == 4 || bits == 8, "block_matmul: bits must be 4 or 8, not ", bits);
@@ -228,7 +219,10 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t o
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kLanes && out_features <= packed.size(0) * kLanes,
               "block_matmul: ", out_features, " outputs do not fill ", packed.size(0), " tiles of ", kLanes);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  if (x.scalar_type() == at::kBFloat16) {
+  const bool amx = bits == 4 && x.scalar_type() == at::kBFloat16 && x.size(0) >= kAmxMinRows;
+  if (amx && block_matmul_amx_rows() > 0) {
+    amx_multiply(x, packed, out_features, out);
+  } else if (x.scalar_type() == at::kBFloat16) {
     multiply<c10::BFloat16>(x, packed, out_features, bits, out);
   } else {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "block_matmul: bfloat16 or float32 activations only");
@@ -242,6 +236,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t o
 TORCH_LIBRARY_FRAGMENT(gracelm, m) {
   m.def("block_matmul(Tensor x, Tensor packed, int out_features, int bits) -> Tensor");
   m.def("block_matmul_serves() -> bool", &block_matmul_serves);
+  m.def("block_matmul_amx_rows() -> int", &block_matmul_amx_rows);
 }
 
 TORCH_LIBRARY_IMPL(gracelm, CPU, m) { m.impl("block_matmul", &block_matmul); }

@@ -27,6 +27,21 @@ near ties that 8-bit activations flip ("What is the capital of France?" as a cha
 "The" 24.75, and the reply "L'Étoile, la Marseillaise, ...", llama-server's own; bfloat16 activations:
 "The" 25.50 against "L" 25.38, "The capital of France is Paris.").
 
+On a CPU with AMX (Sapphire Rapids and later; `amx_rows`), calls of 16 rows or more of bfloat16
+activations by 4-bit weights take a second kernel (`gracelm/csrc/block_matmul_amx.cpp`): each record is
+dequantized to bfloat16 (s·q + m rounded once, the dense bfloat16 copy's value), its 16 values per output
+a table that `vpermw` indexes by the nibbles, and the tile unit multiplies it by the activations as they
+are, 16 rows a tile, summing each output's whole row in float32 (`tdpbf16ps`). The 8-bit kernel cannot
+use the tile unit well: a block's scales must be applied to each block's sums apart, and 16 x 16 sums
+stored and scaled per block of 32 inputs cost more than the tile unit saves (measured 1.15-1.25x its
+time). Dequantizing costs the same at any row count, so it wins from 16 rows: the default model's 30
+layers' 4-bit matrices (2 threads, a Sapphire Rapids-class Xeon; medians of interleaved runs), its time
+over the 8-bit kernel's: 0.87 at 16 rows, 0.78 at 24, 0.63 at 32, 0.55 at 48, 0.49 at 64. Its error is the
+weights' bfloat16 rounding, the dense path's, instead of the activations' 8-bit one; so on such a CPU a
+row's bits depend on whether its call has 16 low-bit rows (a decode step of 16 sequences or more), as they
+do where torch's int4 kernel hands larger steps to the dense weights (`--deterministic` runs dense weights
+throughout). The 8-bit logits head stays on the 8-bit kernel (its 8-bit values have no 16-entry table).
+
 The layout (`pack`): the outputs in tiles of 16 (one vector of sums), each tile's blocks in input order,
 a record per (tile, block): the 16 × 32 q as 8 vectors of 64 bytes, vector j holding inputs 4j..4j+3 of
 every output (4 bits: vectors 2h and 2h + 1 as the low and high nibbles of the same 64 bytes), then the
@@ -63,6 +78,12 @@ if LOADED:
 def serves() -> bool:
     """Whether this CPU runs the kernel (AVX-512 with VNNI), with gracelm._kernels built."""
     return LOADED and torch.ops.gracelm.block_matmul_serves()
+
+
+def amx_rows() -> int:
+    """The least rows of a call that the AMX kernel takes (bfloat16 activations by 4-bit weights; see above),
+    0 where it serves none: a CPU without AMX, or an OS that refuses its registers."""
+    return torch.ops.gracelm.block_matmul_amx_rows() if serves() else 0
 
 
 def record_bytes(bits: int) -> int:
@@ -137,7 +158,9 @@ class BlockLinear(nn.Module):
         return self
 
     def describe(self) -> str:
-        return "the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels)"
+        amx = amx_rows()
+        return ("the file's blocks x 8-bit activations (AVX-512 VNNI, gracelm._kernels)"
+                + (f", 4-bit ones x bfloat16 activations in calls of >= {amx} rows (AMX)" if amx else ""))
 
     @staticmethod
     def layout() -> str:
