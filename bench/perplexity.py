@@ -97,14 +97,15 @@ def gracelm_tokens(worker: Worker, text: str) -> tuple[list[int], int | None]:
     return tokens, bos if adds_bos else None
 
 
-def chunk_batch(tokens: list[int], bos: int | None, block_size: int) -> StepBatch:
+def chunk_batch(tokens: list[int], bos: int | None, block_size: int, low_bit: bool = False) -> StepBatch:
     """One chunk as a forward pass from an empty cache (blocks 0, 1, ...: each chunk overwrites the last),
-    asking for the logits of the scored positions."""
+    asking for the logits of the scored positions. A prompt of its length; with `low_bit`, one of 0
+    tokens, which the low-bit gate hands to the low-bit forms as it hands them short prompts."""
     ctx = len(tokens)
     input_ids = [bos, *tokens[1:]] if bos is not None else list(tokens)
     return StepBatch(input_ids=input_ids, positions=list(range(ctx)), slot_mapping=list(range(ctx)),
                      query_lens=[ctx], seq_lens=[ctx], block_tables=[list(range(-(-ctx // block_size)))],
-                     logits_indices=list(range(ctx // 2, ctx - 1)))
+                     logits_indices=list(range(ctx // 2, ctx - 1)), prompt_lens=[0 if low_bit else ctx])
 
 
 def chunk_nll(logits: torch.Tensor, targets: list[int]) -> list[float]:
@@ -130,7 +131,7 @@ def gracelm_perplexity(config: EngineConfig, text: str, ctx: int, max_chunks: in
         started = time.perf_counter()
         for i in range(chunks):
             chunk = tokens[i * ctx:(i + 1) * ctx]
-            logits = worker.forward(chunk_batch(chunk, bos, config.block_size))
+            logits = worker.forward(chunk_batch(chunk, bos, config.block_size, int4_every_row))
             nll += chunk_nll(logits, chunk[ctx // 2 + 1:])
         dtype = str(worker.loaded.dtype).removeprefix("torch.")
         label = f"gracelm {dtype} on {worker.device}{describe_options(config)}"
