@@ -220,7 +220,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t o
               "block_matmul: ", out_features, " outputs do not fill ", packed.size(0), " tiles of ", kLanes);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   const bool amx = bits == 4 && x.scalar_type() == at::kBFloat16 && x.size(0) >= kAmxMinRows;
-  if (amx && block_matmul_amx_rows() > 0) {
+  if (amx && amx_serves()) {  // block_matmul_serves was checked above
     amx_multiply(x, packed, out_features, out);
   } else if (x.scalar_type() == at::kBFloat16) {
     multiply<c10::BFloat16>(x, packed, out_features, bits, out);

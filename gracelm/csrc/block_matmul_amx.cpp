@@ -35,8 +35,8 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile register 16 rows of 64 bytes: tmm0, tmm1 weights (alternate blocks), tmm2, tmm3 activations,
-// tmm4..7 the sums of up to 4 groups of rows. The configuration is per thread.
+// Every tile register 16 rows of 64 bytes: tmm0 a block's weights, tmm2, tmm3 activations (alternate
+// groups), tmm4..7 the sums of up to 4 groups of rows. The configuration is per thread.
 GRACELM_AMX void configure_tiles() {
   TileConfig config;
   for (int i = 0; i < 8; ++i) {
@@ -120,16 +120,17 @@ GRACELM_AMX void dequantize(const uint8_t* record, c10::BFloat16* a) {
 }
 
 // A sums tile as stored (16 outputs x 16 rows, float32) to out's rows r0.. of tile t.
-template <typename T>
-GRACELM_AMX void store_sums(const float* sums, int64_t t, int64_t r0, int64_t rows, T* out, int64_t n) {
+GRACELM_AMX void store_sums(const float* sums, int64_t t, int64_t r0, int64_t rows, c10::BFloat16* out,
+                            int64_t n) {
   const int valid = static_cast<int>(std::min<int64_t>(kGroup, rows - r0));
   const int width = static_cast<int>(std::min<int64_t>(kLanes, n - t * kLanes));
-  const __m512i column = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
-  alignas(64) T partial[kLanes];
+  // Row r of the output tile is column r of the sums: every 16th float from r.
+  const __m512i column =
+      _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  alignas(64) c10::BFloat16 partial[kLanes];
   for (int r = 0; r < valid; ++r) {
     const __m512 row = _mm512_i32gather_ps(column, sums + r, 4);
-    T* to = out + (r0 + r) * n + t * kLanes;
+    c10::BFloat16* to = out + (r0 + r) * n + t * kLanes;
     if (width == kLanes) {
       store_row(row, to);
     } else {
@@ -198,17 +199,14 @@ GRACELM_AMX void amx_tiles(const uint8_t* packed, int64_t begin, int64_t end, co
   _tile_release();
 }
 
+// What the AMX kernel needs beyond the 8-bit kernel's AVX-512 VNNI (block_matmul_serves).
 bool cpu_has_amx_bf16() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   const bool tile = (d >> 24) & 1, amx_bf16 = (d >> 22) & 1;
   if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
   const bool avx512_bf16 = (a >> 5) & 1;
-  __builtin_cpu_init();
-  return tile && amx_bf16 && avx512_bf16 && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
-         __builtin_cpu_supports("fma");
+  return tile && amx_bf16 && avx512_bf16;
 }
 
 }  // namespace

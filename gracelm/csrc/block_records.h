@@ -35,7 +35,8 @@ GRACELM_AVX512 inline void store_row(__m512 sums, c10::BFloat16* out) {
 // serves: below, its tiles of 16 rows would be mostly padding.
 constexpr int64_t kAmxMinRows = 16;
 
-// Whether this CPU has AMX with bfloat16 tiles and the OS lets this process use them (asked once).
+// Whether a CPU that runs the 8-bit kernel (block_matmul_serves) also has AMX with bfloat16 tiles, and the
+// OS lets this process use them (asked once).
 bool amx_serves();
 
 // out [rows, n] = x [rows, K] (bfloat16) @ W.T for 4-bit records `packed` [tiles, K / 32, record bytes].
