@@ -1,5 +1,5 @@
-"""Builds gracelm's one compiled library, `gracelm._kernels` (fused paged decode attention and the GGUF
-blocks' matmul on the CPU, `gracelm/csrc/`), against the installed torch: install with `pip install
+"""Builds gracelm's one compiled library, `gracelm._kernels` (fused paged decode attention, the GGUF blocks'
+matmul and torch's 4-bit one as an op of its own, on the CPU, `gracelm/csrc/`), against the installed torch: install with `pip install
 --no-build-isolation`, torch first (`scripts/bootstrap.sh` does). Everything else about the package is in
 pyproject.toml."""
 
@@ -11,7 +11,7 @@ setup(
         CppExtension(
             "gracelm._kernels",
             ["gracelm/csrc/paged_decode_attention.cpp", "gracelm/csrc/block_matmul.cpp",
-             "gracelm/csrc/block_matmul_amx.cpp"],
+             "gracelm/csrc/block_matmul_amx.cpp", "gracelm/csrc/int4_matmul.cpp"],
             # -fopenmp: at::parallel_for shares torch's OpenMP threads. No -march: the kernel's hot function
             # is compiled for AVX-512, AVX2 and the baseline, chosen by the CPU at load time.
             extra_compile_args=["-O3", "-fopenmp", "-mprefer-vector-width=512"],

@@ -370,12 +370,13 @@ def decode_graphs(loaded: LoadedModel) -> list[DecodeGraph]:
     graphs = []
     layout = low_bit_layout(loaded.model)
     for rows in graph_batches(loaded.model):
-        path = graph_path(graph_key(content_hash(loaded.path), loaded.dtype, BLOCK_SIZE, rows, layout))
+        key = (content_hash(loaded.path), loaded.dtype, BLOCK_SIZE, rows, layout, "auto")
+        path = graph_path(graph_key(*key))
         if not path.exists():
             started = time.perf_counter()
             compile_graph(loaded.model, BLOCK_SIZE, rows, path)
             print(f"compiled {path} in {time.perf_counter() - started:.0f} s")
-        graphs.append(DecodeGraph.load(path, rows, BLOCK_SIZE))
+        graphs.append(DecodeGraph.load(path, rows, BLOCK_SIZE, loaded.model.model))
     return graphs
 
 

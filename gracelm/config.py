@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import gracelm.cpu_features as cpu_features
 from gracelm.options import at_least, option, validate
 
 # Hugging Face architecture name -> the family features it needs. Anything else is refused by name.
@@ -121,6 +122,16 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # runs it; "none": dense weights for every step (`model/quantized_linear.py:form_for`).
 QUANTIZATION_CHOICES = ("auto", "blocks", "int4", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# How decode tokens are attended (`model/decode_attention.py`): gracelm's fused kernel where it serves
+# ("auto"), that kernel or a start-up failure naming why it cannot ("fused"), torch's ops ("unfused").
+DECODE_ATTENTION_CHOICES = ("auto", "fused", "unfused")
+
+
+def _cpu_features(names: list[str]) -> str | None:
+    bad = cpu_features.unknown(names)
+    if not bad:
+        return None
+    return f"names no maskable CPU feature: {', '.join(bad)} (choose from {', '.join(cpu_features.MASKABLE)})"
 
 
 @dataclass
@@ -168,6 +179,14 @@ class EngineConfig:
     deterministic: bool = option(False, "batch-invariant computation: a request's tokens (greedy, or "
                                         "sampled with a seed) do not depend on the other requests it is "
                                         "batched with, at some cost in speed")
+    mask_cpu_features: list[str] = option(
+        [], f"CPU features to choose every path as if this CPU lacked: {', '.join(cpu_features.MASKABLE)} "
+            "(each masks those built on it too; amx runs a Zen 4's paths on a Sapphire Rapids, avx512 an "
+            "AVX2-only CPU's): gracelm's kernels, --dtype auto, torch's own kernels and the compiled decode "
+            "steps follow", check=_cpu_features)
+    decode_attention: str = option("auto", "how decode tokens are attended: fused (gracelm's kernel; the "
+                                           "start fails where it cannot serve), unfused (torch's ops), auto "
+                                           "(fused where it serves)", choices=DECODE_ATTENTION_CHOICES)
     enforce_eager: bool = option(False, "never run the compiled decode step (by default a bfloat16 CPU model "
                                         "with 4-bit weights compiles it in the background and keeps it in "
                                         "the cache)")

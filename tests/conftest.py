@@ -21,3 +21,13 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ENV, str(path))
         yield path
+
+
+@pytest.fixture(scope="session")
+def graph_cache(private_cache_dir: Path) -> Path:
+    """The suite's cache with the decode graphs of every compiled path this machine runs
+    (`tests/kernel_paths.py`), built once, two at a time, when a test first needs them."""
+    from tests.kernel_paths import PATHS, build_graphs
+
+    build_graphs([path for path in PATHS if path.compiled and path.why_not_here() is None], private_cache_dir)
+    return private_cache_dir

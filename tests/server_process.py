@@ -25,6 +25,18 @@ from gracelm.lifecycle.runtime_dir import PREFIX, runtime_base
 GRACELM = Path(sys.executable).parent / "gracelm"
 
 
+# The logs of the servers a test starts, in TMPDIR: the test's own files, removed by `close_log`.
+LOG_PREFIX = "gracelm-serve-"
+
+
+def temp_entries() -> list[str]:
+    """The names in TMPDIR (the system's temporary directory) that a server could have left: all but the
+    servers' logs, and the runtime directories of this test process's own engines (checked apart)."""
+    own = f"{PREFIX}{os.getpid()}-"
+    return [name for name in os.listdir(tempfile.gettempdir())
+            if not name.startswith((LOG_PREFIX, own))]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,7 +65,8 @@ class ServerProcess:
                  prefix: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.NamedTemporaryFile(prefix="gracelm-serve-", suffix=".log", delete=False)
+        self._temp_before = set(temp_entries())
+        self._log = tempfile.NamedTemporaryFile(prefix=LOG_PREFIX, suffix=".log", delete=False)
         # `prefix`: a command that execs the server (same pid), e.g. one that drops capabilities.
         command = [*prefix, str(GRACELM), "serve", *([str(model)] if model is not None else []),
                    "--port", str(self.port), *args]
@@ -130,6 +143,8 @@ class ServerProcess:
         assert not left, f"runtime directories left behind: {left}"
         segments = list(Path("/dev/shm").glob(f"{PREFIX}{self.pid}-*"))
         assert not segments, f"shared-memory segments left behind: {segments}"
+        new = [entry for entry in temp_entries() if entry not in self._temp_before]
+        assert not new, f"left behind in TMPDIR: {new}"
 
     def kill(self) -> None:
         """Last resort after a failure: SIGKILL the server and each of its processes, by pid."""

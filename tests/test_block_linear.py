@@ -13,12 +13,15 @@ check the 8-bit one)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+import gracelm.cpu_features as cpu_features
 from gracelm.model.block_linear import BLOCK, BlockLinear, amx_rows, record_bytes
 from gracelm.model.gguf_int4 import BITS, file_blocks
 from gracelm.model.kernel_library import LOADED
@@ -33,12 +36,20 @@ SHAPES = [(64, 576), (48, 64), (40, 96), (200, 32), (17, 1536)]
 # Across the kernel's chunks: of 8 rows and one tile below 24 rows, of 6 rows and two tiles from 24 on; the
 # AMX kernel's groups of 16 rows from 16 on, summed 4 groups at a time (129: 9 groups, the last of 1 row).
 ROWS = [1, 2, 3, 7, 8, 9, 15, 16, 23, 24, 33, 129]
-AMX_ROWS = amx_rows()  # 0 where this CPU lacks AMX
+# Each test on the 8-bit kernel alone (AMX masked) and, where this CPU has AMX, with the AMX kernel taking
+# the calls of enough rows: on such a CPU the first serves only the calls of fewer rows otherwise.
+KERNELS = ["vnni", "amx"] if LOADED and amx_rows() else ["vnni"]
+
+
+@pytest.fixture(autouse=True, params=KERNELS)
+def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    with cpu_features.masking(["amx"] if request.param == "vnni" else []):
+        yield request.param
 
 
 def amx_serves(rows: int, qtype: Q, dtype: torch.dtype) -> bool:
     """Whether a call of `rows` rows of `dtype` by `qtype` weights goes to the AMX kernel here."""
-    return 0 < AMX_ROWS <= rows and BITS[qtype] == 4 and dtype == torch.bfloat16
+    return 0 < amx_rows() <= rows and BITS[qtype] == 4 and dtype == torch.bfloat16
 
 
 def quantized(shape: tuple[int, int], qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -123,7 +134,7 @@ def test_each_row_is_computed_as_if_alone_whatever_the_threads(dtype: torch.dtyp
     form = BlockLinear.from_file(blocks, Q.Q4_1)
     x = activations(37, 576, dtype)
     together = form(x)
-    others = activations(AMX_ROWS - 1, 576, dtype, seed=1) if amx_serves(len(x), Q.Q4_1, dtype) \
+    others = activations(amx_rows() - 1, 576, dtype, seed=1) if amx_serves(len(x), Q.Q4_1, dtype) \
         else x[:0]
     threads = torch.get_num_threads()
     try:
@@ -170,15 +181,15 @@ def test_bad_arguments_raise_an_error_naming_the_kernel() -> None:
     x = activations(3, 96)
     matmul = torch.ops.gracelm.block_matmul
     bad = {
-        "bits": lambda: matmul(x, form.packed, 40, 5),
-        "records": lambda: matmul(x, form.packed, 40, 8),
-        "inputs": lambda: matmul(activations(3, 64), form.packed, 40, 4),
-        "outputs": lambda: matmul(x, form.packed, 49, 4),
-        "too few outputs": lambda: matmul(x, form.packed, 32, 4),
-        "dtype": lambda: matmul(x.half(), form.packed, 40, 4),
-        "packed dtype": lambda: matmul(x, form.packed.view(torch.int8), 40, 4),
-        "contiguous": lambda: matmul(activations(3, 192)[:, ::2], form.packed, 40, 4),
-        "dims": lambda: matmul(x[None], form.packed, 40, 4),
+        "bits": lambda: matmul(x, form.packed, 40, 5, False),
+        "records": lambda: matmul(x, form.packed, 40, 8, False),
+        "inputs": lambda: matmul(activations(3, 64), form.packed, 40, 4, False),
+        "outputs": lambda: matmul(x, form.packed, 49, 4, False),
+        "too few outputs": lambda: matmul(x, form.packed, 32, 4, False),
+        "dtype": lambda: matmul(x.half(), form.packed, 40, 4, False),
+        "packed dtype": lambda: matmul(x, form.packed.view(torch.int8), 40, 4, False),
+        "contiguous": lambda: matmul(activations(3, 192)[:, ::2], form.packed, 40, 4, False),
+        "dims": lambda: matmul(x[None], form.packed, 40, 4, False),
     }
     for call in bad.values():  # keyed by what each call gets wrong
         with pytest.raises(RuntimeError, match="block_matmul"):

@@ -7,6 +7,7 @@ processes; the heartbeat is also checked against a real child that stamps it and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -400,3 +401,22 @@ def test_a_real_childs_exit_code_3_is_reported_as_a_startup_failure(real_core):
     assert (end.reason, end.pid, end.exitcode, end.fatal) == (EndReason.EXITED, child.pid, 3, True)
     assert end.message == f"engine core pid {child.pid} exited with code 3 (start-up failure)"
     assert real_core.inbox() == [end]
+
+
+def write_environment(path: str) -> None:
+    """A child that writes what its environment says, and the vector level torch chose as it loaded."""
+    import torch
+
+    Path(path).write_text(json.dumps({"TMPDIR": os.environ.get("TMPDIR"),
+                                      "capability": torch.backends.cpu.get_cpu_capability()}))
+
+
+def test_a_child_gets_the_variables_it_is_started_with_before_it_loads_torch(tmp_path):
+    """As the engine core gets its TMPDIR and its masked CPU features' variables (`start_process`'s env)."""
+    out = tmp_path / "environment.json"
+    child = start_process("probe", "gracelm::test-env", "tests.test_core_monitor:write_environment",
+                          (str(out),), {"TMPDIR": str(tmp_path), "ATEN_CPU_CAPABILITY": "default"})
+    child.join(60)
+    assert child.stop(5) == "exited" and child.exitcode == 0
+    assert json.loads(out.read_text()) == {"TMPDIR": str(tmp_path), "capability": "DEFAULT"}
+    assert "ATEN_CPU_CAPABILITY" not in os.environ  # the parent's own is untouched

@@ -4,22 +4,37 @@
 (one token, a block's worth and one either side, several hundred), GQA, MQA and plain multi-head, head
 sizes the kernel specialises (64, 128: in bfloat16 its `vdpbf16ps` path where the CPU has AVX512_BF16) and
 others (32, 80, 72: whole and partial lanes), blocks of 16 and of 5 tokens. Bad arguments raise an error
-naming the kernel; the layers use it for decode tokens only. The kernel is part of the install
-(scripts/bootstrap.sh builds it): where it is missing these tests fail, not skip."""
+naming the kernel; the layers use it for decode tokens only. Every test runs at each of the kernel's
+instruction-set levels this CPU runs (AVX-512 BF16, AVX-512, AVX2, the baseline), the higher ones masked
+(`cpu_features.py`). The kernel is part of the install (scripts/bootstrap.sh builds it): where it is
+missing these tests fail, not skip."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+import gracelm.cpu_features as cpu_features
 from gracelm.model import decode_attention
 from gracelm.model.attention import AttentionMetadata, paged_attention
 from gracelm.model.forward_batch import ForwardBatch
 
 TOLERANCE = {torch.bfloat16: 1e-3, torch.float32: 1e-5}
 LENGTHS = [1, 15, 16, 17, 300, 40, 2, 129]
+# Each level, by what is masked to reach it.
+MASKS = {"avx512_bf16": [], "avx512": ["avx512_bf16"], "avx2": ["avx512"], "baseline": ["avx2"]}
+SERVED = decode_attention.ISA_NAMES[decode_attention.isa()]
+LEVELS = list(MASKS)[list(MASKS).index(SERVED):]
+
+
+@pytest.fixture(autouse=True, params=LEVELS)
+def level(request: pytest.FixtureRequest) -> Iterator[str]:
+    with cpu_features.masking(MASKS[request.param]):
+        assert decode_attention.ISA_NAMES[decode_attention.isa()] == request.param
+        yield request.param
 
 
 def paged_inputs(lengths: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -130,9 +145,25 @@ def test_batch_invariant_mode_keeps_its_own_decode_path() -> None:
     assert not any(group.fused for group in meta.groups)
 
 
-def test_the_log_says_how_decode_tokens_are_attended() -> None:
+def test_the_unfused_choice_keeps_the_kernel_out_and_the_fused_one_is_refused_where_it_cannot_serve(
+        ) -> None:
+    meta, cache, _ = decode_step(batch_invariant=False)
+    assert meta.groups[0].fused and decode_attention.applies(cache, False, "fused")
+    assert not decode_attention.applies(cache, False, "unfused")
+    decode_attention.check_choice("fused", cache, False)
+    with pytest.raises(ValueError, match="--decode-attention fused cannot serve here: torch.float16 cache"):
+        decode_attention.check_choice("fused", cache.half(), False)
+    with pytest.raises(ValueError, match="deterministic"):
+        decode_attention.check_choice("fused", cache, True)
+
+
+def test_the_log_says_how_decode_tokens_are_attended(level: str) -> None:
     cache = torch.zeros(2, 1, 1, 16, 64, dtype=torch.bfloat16)
-    assert decode_attention.describe(cache, batch_invariant=False) == "fused CPU kernel (gracelm._kernels)"
+    fused = decode_attention.describe(cache, batch_invariant=False)
+    assert fused == f"fused CPU kernel (gracelm._kernels, {level})"
+    assert decode_attention.path(cache, False, "auto") == f"fused-{level}"
     assert decode_attention.describe(cache, batch_invariant=True).startswith("unfused (deterministic")
+    assert decode_attention.describe(cache, False, "unfused") == "unfused (--decode-attention unfused)"
+    assert decode_attention.path(cache, False, "unfused") == "unfused"
     half = decode_attention.describe(cache.half(), batch_invariant=False)
     assert half == "unfused (torch.float16 cache on cpu)"

@@ -1,15 +1,19 @@
-"""The compiled decode step (`model/decode_graph.py`) and its background build
-(`parallel/decode_graph_build.py`), on a tiny 4-bit GGUF model: the graph gives eager's logits and writes the
-KV cache as eager does, over paged, shuffled blocks at every context length it serves (in the dtype
-`--dtype auto` gives: bfloat16, or float32 where bfloat16 is emulated); a server compiles it
-in the background while it serves eagerly, then serves compiled, answers the same, and stops with nothing
-left (during the compile too); the next start loads it from the cache without compiling."""
+"""The compiled decode step (`model/decode_graph.py`), its check (`model/decode_graph_check.py`) and its
+background build (`parallel/decode_graph_build.py`), on the path matrix's tiny 4-bit GGUF model: the graph
+of each path this process can run gives eager's logits and writes the KV cache as eager does, over paged,
+shuffled blocks at every context length it serves; it passes its check, and a graph that computes otherwise
+or raises does not serve; a server compiles it in the background while it serves eagerly, then serves
+compiled, answers the same, and stops with nothing left (during the compile too); the next start loads it
+from the cache without compiling, and nothing of the packages is left in TMPDIR."""
 
 from __future__ import annotations
 
+import copy
 import re
 import signal
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -17,40 +21,47 @@ import pytest
 import torch
 from openai import OpenAI
 
+import gracelm.cpu_features as cpu_features
+from gracelm.config import EngineConfig
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.block_linear import serves as blocks_serve
-from gracelm.model.decode_graph import MAX_CONTEXT, DecodeGraph, compile_graph, graph_batches
+from gracelm.model.decode_graph import MAX_CONTEXT, DecodeGraph, damaged
+from gracelm.model.decode_graph_check import check, close
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import load_model
+from gracelm.parallel.decode_graph_build import graph_files
+from tests.faults.helpers import small_filesystem
+from tests.kernel_paths import BY_NAME, matrix_gguf
 from tests.server_process import ServerProcess
-from tests.test_gguf import Q
-from tests.test_quantized_linear import tiny_gguf
 
 BLOCK = 16
 COMPILE_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
-def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_gguf(tmp_path_factory.mktemp("decode-graph") / "tiny-q4.gguf", Q.Q4_1)
+def gguf() -> Path:
+    return matrix_gguf()
 
 
-# The low-bit forms a graph is traced through: the blocks' 8-bit-activation kernel where this CPU runs it,
-# and torch's int4 kernel.
-FORMS = ["blocks", "int4"] if blocks_serve() else ["int4"]
+# The paths whose graphs this process can run as they were built (`tests/kernel_paths.py`): those whose
+# masked features leave torch's own kernels as they are here (an AVX2 path packs torch's int4 weights for
+# AVX2, which this process's int4 kernel would read as its own). The others run in the path matrix.
+IN_PROCESS = [BY_NAME[name] for name in ("blocks-amx", "blocks-vnni", "int4-bfloat16")
+              if BY_NAME[name].why_not_here() is None]
 
 
-@pytest.fixture(scope="module", params=FORMS)
-def compiled(gguf: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    # bfloat16, or float32 where bfloat16 is emulated
-    loaded = load_model(gguf, quantization=request.param)
-    loaded.freeze()
-    folder = tmp_path_factory.mktemp("graph")
-    graphs = []
-    for rows in graph_batches(loaded.model):
-        compile_graph(loaded.model, BLOCK, rows, folder / f"{rows.start}.pt2")
-        graphs.append(DecodeGraph.load(folder / f"{rows.start}.pt2", rows, BLOCK))
-    return loaded.model, graphs
+@pytest.fixture(scope="module", params=IN_PROCESS, ids=lambda path: path.name)
+def compiled(gguf: Path, graph_cache: Path, request: pytest.FixtureRequest) -> Iterator[tuple]:
+    """The model of a path, in bfloat16 (or float32 where bfloat16 is emulated), with the graphs the suite
+    built for it (`conftest.graph_cache`) and their packages; the path's CPU features masked meanwhile."""
+    path = request.param
+    with cpu_features.masking(path.mask):
+        config = EngineConfig(model=str(gguf), **path.engine_options())
+        loaded = load_model(gguf)
+        loaded.freeze()
+        files = graph_files(config, loaded)
+        graphs = [DecodeGraph.load(file, rows, BLOCK, loaded.model.model) for rows, file in files.items()]
+        yield loaded.model, graphs, list(files.values())
 
 
 def decode_batch(contexts: list[int], tables: torch.Tensor) -> ForwardBatch:
@@ -71,7 +82,7 @@ def decode_batch(contexts: list[int], tables: torch.Tensor) -> ForwardBatch:
 def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, contexts: list[int]) -> None:
     """Mixed lengths, blocks in no order and none contiguous, of one sequence and of several (more than 8
     where the blocks' kernel serves the graph: torch's int4 kernel's graph stops at 8)."""
-    model, graphs = compiled
+    model, graphs, _ = compiled
     if not any(g.rows.stop > len(contexts) for g in graphs):
         assert model.model.int4_gate.max_rows == 8 and len(contexts) > 8  # eager's, as the gate says
         return
@@ -92,10 +103,8 @@ def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, 
         model.model.decode_graphs = [graph]
         ours = model(batch, graph_caches)
     model.model.decode_graphs = []
-    # Inductor rounds where eager rounds (emulate_precision_casts); a fused reduction may still sum in
-    # another order, so the bound is bfloat16's rounding of the logits, not bit equality: a relative
-    # step, or one step (2^-7) of the largest logit, which a hidden state one step off moves a small one by.
-    torch.testing.assert_close(ours, eager, rtol=1.6e-2, atol=max(1e-2, 2**-7 * float(eager.abs().max())))
+    # Within bfloat16's rounding, not bit equal: a fused reduction may sum in another order.
+    assert close(ours, eager), float((ours - eager).abs().max())
     assert ours.abs().max() > 1.0  # far from zero, so a wrong path would show
     for old, eager_cache, graph_cache in zip(before, eager_caches, graph_caches, strict=True):
         torch.testing.assert_close(graph_cache, eager_cache, rtol=1.6e-2, atol=1e-2)
@@ -105,7 +114,7 @@ def test_the_graph_gives_eagers_logits_and_cache_over_shuffled_blocks(compiled, 
 
 
 def test_each_graph_serves_its_sequences_of_a_bounded_context_only(compiled) -> None:
-    _, (one, few) = compiled
+    _, (one, few), _ = compiled
     most = few.rows.stop - 1  # the low-bit forms' rows: 8 for torch's int4 kernel, more for the blocks'
     assert most == 8 or most > 8 and blocks_serve()
     tables = torch.arange((most + 1) * (MAX_CONTEXT // BLOCK + 2)).view(most + 1, -1)
@@ -125,6 +134,98 @@ def test_each_graph_serves_its_sequences_of_a_bounded_context_only(compiled) -> 
                          slot_mapping=torch.tensor([0, 1, 25]), query_lens=[2, 1], seq_lens=[2, 10],
                          block_tables=torch.tensor([[0], [1]]), logits_indices=torch.tensor([1, 2]))
     assert not any(g.serves(b) for g in (one, few) for b in (prompt, mixed))
+
+
+def test_each_graph_passes_its_check(compiled) -> None:
+    model, graphs, _ = compiled
+    for graph in graphs:
+        assert check(model, graph, BLOCK) is None
+
+
+class Wrong(DecodeGraph):
+    """A graph that computes otherwise: its hidden states one bfloat16 step and more off."""
+
+    def __call__(self, *args) -> torch.Tensor:
+        out = super().__call__(*args)
+        return out + 0.05 * out.abs().max()
+
+
+class Raising(DecodeGraph):
+    def __call__(self, *args) -> torch.Tensor:
+        raise RuntimeError("a defect of the compiled code")
+
+
+def as_graph(graph: DecodeGraph, kind: type[DecodeGraph]) -> DecodeGraph:
+    broken = copy.copy(graph)
+    broken.__class__ = kind
+    return broken
+
+
+def test_a_graph_that_computes_otherwise_or_raises_fails_its_check(compiled) -> None:
+    model, graphs, _ = compiled
+    for graph in graphs:
+        assert "logits differ from eager's by up to" in check(model, as_graph(graph, Wrong), BLOCK)
+        assert check(model, as_graph(graph, Raising), BLOCK) == (
+            "a compiled step raised RuntimeError: a defect of the compiled code")
+    assert model.model.decode_graphs == [] and model.model.decode_graph_failure is None
+
+
+def test_a_compiled_step_that_raises_is_run_eagerly_and_the_graphs_are_dropped(compiled) -> None:
+    model, graphs, _ = compiled
+    caches = allocate_kv_cache(model.config, 8, BLOCK, model.model.embed_tokens.weight.dtype)
+    batch = decode_batch([17, 3], torch.arange(8).view(2, 4))
+    with torch.inference_mode():
+        eager = model(batch, [cache.clone() for cache in caches])
+        model.model.decode_graphs = [as_graph(graph, Raising) for graph in graphs]
+        try:
+            ours = model(batch, caches)
+        finally:
+            dropped, model.model.decode_graphs = model.model.decode_graphs, []
+            failure, model.model.decode_graph_failure = model.model.decode_graph_failure, None
+    assert torch.equal(ours, eager) and dropped == []
+    assert failure == "a compiled step raised RuntimeError: a defect of the compiled code"
+
+
+def test_a_step_of_a_prompt_beside_decode_tokens_runs_eagerly_with_graphs_loaded(compiled) -> None:
+    """The crash of every compiled path on a CPU without AMX (and with it): a long prompt's rows, which take
+    the dense weights, beside decode rows, with the graphs loaded."""
+    model, graphs, _ = compiled
+    caches = allocate_kv_cache(model.config, 12, BLOCK, model.model.embed_tokens.weight.dtype)
+    prompt = 40  # in blocks 1-3; then decode tokens at positions 20 (blocks 5, 6) and 9 (block 8)
+    batch = ForwardBatch(input_ids=torch.arange(3, 5 + prompt),
+                         positions=torch.tensor([*range(prompt), 20, 9]),
+                         slot_mapping=torch.tensor([*range(16, 16 + prompt), 6 * 16 + 4, 8 * 16 + 9]),
+                         query_lens=[prompt, 1, 1], seq_lens=[prompt, 21, 10],
+                         block_tables=torch.tensor([[1, 2, 3], [5, 6, 0], [8, 0, 0]]),
+                         logits_indices=torch.tensor([prompt - 1, prompt, prompt + 1]),
+                         prompt_lens=[prompt, 3, 2])
+    with torch.inference_mode():
+        eager = model(batch, [cache.clone() for cache in caches])
+        model.model.decode_graphs = graphs
+        try:
+            ours = model(batch, caches)
+        finally:
+            model.model.decode_graphs = []
+    assert torch.equal(ours, eager)
+
+
+def test_loading_leaves_nothing_in_the_temporary_directory_and_a_full_one_costs_only_the_graph(
+        compiled, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's loader unpacks a package into $TMPDIR: removed at once, also when the filesystem is full (the
+    package is then kept: it is whole)."""
+    model, graphs, packages = compiled
+    package = packages[0]
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    DecodeGraph.load(package, graphs[0].rows, BLOCK, model.model)
+    assert list(tmp_path.iterdir()) == []
+    with small_filesystem(tmp_path, "256k") as full:
+        monkeypatch.setenv("TMPDIR", str(full))
+        monkeypatch.setattr(tempfile, "tempdir", None)
+        with pytest.raises(Exception):  # noqa: B017 - whatever torch raises for a full disk
+            DecodeGraph.load(package, graphs[0].rows, BLOCK, model.model)
+        assert list(full.iterdir()) == []
+    assert package.exists() and not damaged(package)
 
 
 def wait_for_log(server: ServerProcess, text: str, count: int, timeout: float) -> None:

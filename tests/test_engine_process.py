@@ -49,7 +49,7 @@ def test_core_is_named_ignores_sigint_and_stops_fast(model):
     runtime_dir = llm.runtime_dir
     assert "gracelm::engine-core" in " ".join(core.cmdline())
     assert runtime_dir.is_dir()
-    assert {p.name for p in runtime_dir.iterdir()} == {"input.sock", "output.sock", "heartbeat"}
+    assert {p.name for p in runtime_dir.iterdir()} == {"input.sock", "output.sock", "heartbeat", "tmp"}
     core.send_signal(signal.SIGINT)  # Ctrl-C reaches the whole group; only the frontend may act on it
     time.sleep(0.2)
     assert core.is_running() and llm.stats()["num_running"] == 0

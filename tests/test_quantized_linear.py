@@ -13,6 +13,8 @@ path where the dense logits do not nearly tie."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gracelm import Engine, SamplingParams
+from gracelm import Engine, SamplingParams, cpu_features
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
 from gracelm.model.block_linear import BlockLinear, amx_rows
@@ -407,6 +409,29 @@ def test_the_low_bit_form_is_cached_and_a_damaged_entry_rebuilt(tmp_path: Path, 
     assert_same_forms(rebuilt, cold)
 
 
+def test_the_int4_layouts_of_every_vector_level_here_are_told_apart() -> None:
+    """Each of ATen's vector levels this CPU runs (`ATEN_CPU_CAPABILITY`: the baseline, AVX2, AVX-512) in a
+    process of its own: where two pack a real-shaped random matrix apart, their `layout_id`s differ, so a
+    cache entry of the one is never read by the other (AVX2's and the baseline's once shared one id, and a
+    CPU without AVX2 read AVX2's packing as its own)."""
+    code = ("import hashlib, torch\n"
+            "from gracelm.model.quantized_linear import layout_id\n"
+            "seeded = torch.Generator().manual_seed(5)\n"
+            "q = torch.randint(0, 16, (272, 576), generator=seeded, dtype=torch.int32)\n"
+            "packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)\n"
+            "print(layout_id(), hashlib.sha256(packed.numpy().tobytes()).hexdigest())\n")
+    levels = ["default", "avx2", "avx512"][:1 + ("avx2" in cpu_features.detected())
+                                           + ("avx512" in cpu_features.detected())]
+    seen = {}
+    for level in levels:
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": level},
+                             capture_output=True, text=True, check=True).stdout.split()
+        seen[level] = (out[0], out[1])
+    for a in levels:
+        for b in levels:
+            assert (seen[a][0] == seen[b][0]) == (seen[a][1] == seen[b][1]), (a, b, seen)
+
+
 def assert_same_forms(forms: dict[str, LowBitForm], expected: dict[str, LowBitForm]) -> None:
     assert forms.keys() == expected.keys()
     for name, form in expected.items():
@@ -432,7 +457,7 @@ def test_an_engine_logs_its_linear_kernels(tmp_path: Path, capfd: pytest.Capture
         assert len(out[0].outputs[0].token_ids) == 4
         log = capfd.readouterr().err
         assert f"rank 0 linear kernels: {kernels}" in log, log[-2000:]
-        assert "rank 0 decode attention: fused CPU kernel (gracelm._kernels)" in log, log[-2000:]
+        assert "rank 0 decode attention: fused CPU kernel (gracelm._kernels, " in log, log[-2000:]
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at"]

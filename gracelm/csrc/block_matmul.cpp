@@ -206,7 +206,10 @@ bool block_matmul_serves() {
 // not serve (no AMX, or the OS refused its registers).
 int64_t block_matmul_amx_rows() { return block_matmul_serves() && amx_serves() ? kAmxMinRows : 0; }
 
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t bits) {
+// `amx`: whether calls of enough rows may take the AMX kernel (the caller's choice, which a masked feature
+// turns off); it takes them only where the CPU and the OS let it.
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t bits,
+                        bool amx) {
   TORCH_CHECK(block_matmul_serves(), "block_matmul: this CPU lacks AVX-512 VNNI");
   TORCH_CHECK(bits == 4 || bits == 8, "block_matmul: bits must be 4 or 8, not ", bits);
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3, "block_matmul: x [rows, K], packed [tiles, blocks, bytes]");
@@ -219,8 +222,8 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t o
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kLanes && out_features <= packed.size(0) * kLanes,
               "block_matmul: ", out_features, " outputs do not fill ", packed.size(0), " tiles of ", kLanes);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  const bool amx = bits == 4 && x.scalar_type() == at::kBFloat16 && x.size(0) >= kAmxMinRows;
-  if (amx && amx_serves()) {  // block_matmul_serves was checked above
+  const bool tiles = amx && bits == 4 && x.scalar_type() == at::kBFloat16 && x.size(0) >= kAmxMinRows;
+  if (tiles && amx_serves()) {  // block_matmul_serves was checked above
     amx_multiply(x, packed, out_features, out);
   } else if (x.scalar_type() == at::kBFloat16) {
     multiply<c10::BFloat16>(x, packed, out_features, bits, out);
@@ -234,7 +237,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t o
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gracelm, m) {
-  m.def("block_matmul(Tensor x, Tensor packed, int out_features, int bits) -> Tensor");
+  m.def("block_matmul(Tensor x, Tensor packed, int out_features, int bits, bool amx) -> Tensor");
   m.def("block_matmul_serves() -> bool", &block_matmul_serves);
   m.def("block_matmul_amx_rows() -> int", &block_matmul_amx_rows);
 }

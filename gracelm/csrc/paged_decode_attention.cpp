@@ -146,9 +146,8 @@ inline __attribute__((always_inline)) void score_block(const float* __restrict__
 // A bfloat16 cache on a CPU that multiplies bfloat16 pairs (AVX512_BF16; head sizes 64 and 128): the keys
 // and values are read straight from the cache, with no float32 copy of each block. vdpbf16ps adds two exact
 // products of bfloat16 values to a float32 sum per lane, so the scores are the same float32 sums up to
-// their order; the values are widened to float32 as they are loaded. 20-30 % faster than the copies at 32
-// sequences of 80-200 tokens (a Zen 5). These functions are compiled for that instruction set alone and
-// called where `bf16_dot_serves()`.
+// their order; the values are widened to float32 as they are loaded. These functions are compiled for that
+// instruction set alone and called at the level `kAvx512Bf16`, which `isa_served()` grants such a CPU only.
 #define GRACELM_BF16DOT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
 
 // out[t] = scale * (q . key[t]) for t < rows, q and the keys in bfloat16, four keys at a time.
@@ -328,21 +327,20 @@ inline __attribute__((always_inline)) void dispatch_dim(const Shape& s, const T*
   }
 }
 
-// Compiled for AVX-512, AVX2 and the baseline, chosen at load time by the CPU (GCC's function
-// multiversioning): one build serves every x86-64 CPU.
-#define GRACELM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// The task compiled for AVX-512, AVX2 and the baseline, one function each: the caller picks the level
+// (`Isa`), so that a CPU's lesser paths can run, and be tested, on a CPU that has more.
+enum Isa : int64_t { kBaseline = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
-GRACELM_CLONES void attend_task(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* cache,
-                                const int64_t* table, int64_t len, int64_t b, int64_t kvh, float scale,
-                                float* qf, float* acc, float* block, float* scores, float* out) {
-  dispatch_dim(s, q, cache, table, len, b, kvh, scale, qf, acc, block, scores, out);
-}
-
-GRACELM_CLONES void attend_task(const Shape& s, const float* q, const float* cache, const int64_t* table,
-                                int64_t len, int64_t b, int64_t kvh, float scale, float* qf, float* acc,
-                                float* block, float* scores, float* out) {
-  dispatch_dim(s, q, cache, table, len, b, kvh, scale, qf, acc, block, scores, out);
-}
+#define GRACELM_TASK(NAME, TARGET)                                                                              \
+  template <typename T>                                                                                         \
+  TARGET void NAME(const Shape& s, const T* q, const T* cache, const int64_t* table, int64_t len, int64_t b,   \
+                   int64_t kvh, float scale, float* qf, float* acc, float* block, float* scores, float* out) { \
+    dispatch_dim(s, q, cache, table, len, b, kvh, scale, qf, acc, block, scores, out);                         \
+  }
+GRACELM_TASK(attend_task_avx512, __attribute__((target("arch=x86-64-v4"))))
+GRACELM_TASK(attend_task_avx2, __attribute__((target("arch=x86-64-v3"))))
+GRACELM_TASK(attend_task_baseline, )
+#undef GRACELM_TASK
 
 GRACELM_BF16DOT void attend_task_bf16(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* cache,
                                       const int64_t* table, int64_t len, int64_t b, int64_t kvh, float scale,
@@ -354,16 +352,22 @@ GRACELM_BF16DOT void attend_task_bf16(const Shape& s, const c10::BFloat16* q, co
                                                     scores, out);
 }
 
-bool bf16_dot_serves() {
+// The most this CPU runs of `Isa`.
+Isa isa_served() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512cd");
+  if (avx512 && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
+  if (avx512) return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2"))
+    return kAvx2;
+  return kBaseline;
 }
 
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-            const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+            const at::Tensor& seq_lens, double scale, Isa isa, at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = kv_cache.size(1);
   const int64_t head_stride = kv_cache.size(2) * kv_cache.size(3) * dim;  // one KV head of K (or V)
   const Shape s{heads,
@@ -380,23 +384,23 @@ void attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& b
   float* out_data = out.data_ptr<float>();
   if (batch == 0) return;
   const int64_t longest = *std::max_element(lens, lens + batch);
-  static const bool bf16_serves = bf16_dot_serves();
-  const bool bf16_dot = bf16_serves && (dim == 64 || dim == 128);
+  const bool bf16_dot = isa == kAvx512Bf16 && (dim == 64 || dim == 128);
+  auto* task = isa >= kAvx512 ? attend_task_avx512<T> : isa == kAvx2 ? attend_task_avx2<T> : attend_task_baseline<T>;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(s.per_kv * dim), acc(s.per_kv * dim), block(s.block_size * dim),
         scores(s.per_kv * longest);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / kv_heads;
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (bf16_dot) {
-          attend_task_bf16(s, q_data, cache, tables + b * s.table_width, lens[b], b, task % kv_heads,
+          attend_task_bf16(s, q_data, cache, tables + b * s.table_width, lens[b], b, t % kv_heads,
                            static_cast<float>(scale), qf.data(), acc.data(), block.data(), scores.data(),
                            out_data);
           continue;
         }
       }
-      attend_task(s, q_data, cache, tables + b * s.table_width, lens[b], b, task % kv_heads,
-                  static_cast<float>(scale), qf.data(), acc.data(), block.data(), scores.data(), out_data);
+      task(s, q_data, cache, tables + b * s.table_width, lens[b], b, t % kv_heads, static_cast<float>(scale),
+           qf.data(), acc.data(), block.data(), scores.data(), out_data);
     }
   });
 }
@@ -419,8 +423,10 @@ void check_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens, in
   }
 }
 
+// `isa`: the most of `Isa` the caller lets it use (a masked CPU feature lowers it); never more than the CPU runs.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t isa) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "paged_decode_attention: q [B, heads, dim], kv_cache [2, kv_heads, blocks, block_size, dim]");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(),
@@ -437,11 +443,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
               "paged_decode_attention: contiguous tensors only");
   check_tables(block_tables, seq_lens, kv_cache.size(2), kv_cache.size(3));
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  static const Isa served = isa_served();
+  const Isa level = static_cast<Isa>(std::clamp<int64_t>(isa, kBaseline, served));
   if (q.scalar_type() == at::kBFloat16) {
-    attend<c10::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, out);
+    attend<c10::BFloat16>(q, kv_cache, block_tables, seq_lens, scale, level, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: bfloat16 or float32 only");
-    attend<float>(q, kv_cache, block_tables, seq_lens, scale, out);
+    attend<float>(q, kv_cache, block_tables, seq_lens, scale, level, out);
   }
   return out;
 }
@@ -451,7 +459,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 TORCH_LIBRARY(gracelm, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "float scale, int isa) -> Tensor");
+  m.def("paged_decode_attention_isa() -> int", []() -> int64_t { return isa_served(); });
 }
 
 TORCH_LIBRARY_IMPL(gracelm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

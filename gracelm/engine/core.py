@@ -155,7 +155,8 @@ class EngineCore:
 
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "num_preemptions": self.num_preemptions, "state": self.state.value,
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, "kernel_paths": self.executor.kernel_paths(),
+                "compiled_steps": self.executor.compiled_steps()}
 
     def set_state(self, state: CoreState) -> None:
         if state is not self.state:

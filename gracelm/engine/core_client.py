@@ -18,6 +18,7 @@ import time
 
 import zmq
 
+import gracelm.cpu_features as cpu_features
 import gracelm.startup_timeline as startup_timeline
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
@@ -75,7 +76,9 @@ class EngineCoreClient:
                 logging.getLogger().getEffectiveLevel())
         try:
             startup_timeline.mark("prepare")
-            self.process: ChildProcess = start_process("EngineCore", PROCESS_TITLE, CORE_ENTRY, args)
+            env = {**cpu_features.environment(config.mask_cpu_features),
+                   "TMPDIR": str(self.runtime_dir.temp_dir())}
+            self.process: ChildProcess = start_process("EngineCore", PROCESS_TITLE, CORE_ENTRY, args, env)
             ledger.acquire(ResourceKind.PROCESS, f"engine core pid {self.process.pid}", self._stop_process,
                            timeout=self._stop_process_bound, force=self.process.process.kill)
             self.monitor.start(self.process)

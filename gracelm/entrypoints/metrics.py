@@ -91,6 +91,10 @@ class ServerMetrics:
         self.core_state = gauge("engine_core_state",
                                 "1 for the engine core's shutdown state (running, requested, shutting_down).",
                                 ("state",))
+        self.kernel_path = gauge("kernel_path", "1 for the kernel path each part of a step takes now (part: "
+                                 "linear, decode_attention, decode_graph; docs/kernel_paths.md).",
+                                 ("part", "path"))
+        self._kernel_paths: dict[str, str] = {}  # those last set to 1
         self.startup_phase = gauge("startup_phase_seconds",
                                    "Seconds each phase of the start took (set once; phase total: all).",
                                    ("phase",))
@@ -100,6 +104,8 @@ class ServerMetrics:
                                 ("finished_reason",))
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.compiled_steps = counter("decode_graph_steps", "Steps run by a compiled decode graph "
+                                      "(docs/kernel_paths.md).", vllm=False)
         self.preemptions = counter("num_preemptions", "Sequences preempted (their KV cache freed, to be "
                                    "recomputed) for lack of KV-cache blocks.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -156,13 +162,15 @@ class ServerMetrics:
         self.kv_total.labels(**self._label).set(stats["kv_blocks_total"])
         self.kv_free.labels(**self._label).set(stats["kv_blocks_free"])
         self.set_core_state(stats.get("state"))
+        self.set_kernel_paths(stats.get("kernel_paths", {}))
         queries = stats.get("prefix_cache_queries", 0)
         self.prefix_hit_rate.labels(**self._label).set(stats.get("prefix_cache_hits", 0) / queries
                                                        if queries else 0.0)
         self.kv_restored.labels(**self._label).set(stats.get("kv_restored_blocks", 0))
         self.kv_restored_hits.labels(**self._label).set(stats.get("kv_restored_block_hits", 0))
         for key, counter in (("prefix_cache_queries", self.prefix_queries),
-                             ("prefix_cache_hits", self.prefix_hits), ("num_preemptions", self.preemptions)):
+                             ("prefix_cache_hits", self.prefix_hits), ("num_preemptions", self.preemptions),
+                             ("compiled_steps", self.compiled_steps)):
             self._count_up(key, counter, stats.get(key, 0))
 
     def _count_up(self, key: str, counter: _Metric, total: int, **extra: str) -> None:
@@ -207,6 +215,15 @@ class ServerMetrics:
         """`None`: the core is gone; no state is 1."""
         for name in self._core_states:
             self.core_state.labels(**self._label, state=name).set(1.0 if name == state else 0.0)
+
+    def set_kernel_paths(self, paths: dict[str, str]) -> None:
+        """1 for each part's path now, 0 for the one it took before (a decode graph that fell back)."""
+        for part, path in paths.items():
+            before = self._kernel_paths.get(part)
+            if before is not None and before != path:
+                self.kernel_path.labels(**self._label, part=part, path=before).set(0.0)
+            self.kernel_path.labels(**self._label, part=part, path=path).set(1.0)
+            self._kernel_paths[part] = path
 
     def set_startup_phases(self, phases: dict[str, float]) -> None:
         for phase, seconds in phases.items():

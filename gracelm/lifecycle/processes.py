@@ -109,10 +109,12 @@ class ChildProcess:
         return outcome
 
 
-def start_process(name: str, title: str, target: str, args: tuple = ()) -> ChildProcess:
+def start_process(name: str, title: str, target: str, args: tuple = (),
+                  env: dict[str, str] | None = None) -> ChildProcess:
     """Starts `target(*args)` in a spawned child named `title` (e.g. "gracelm::engine-core"). `target` is
     "module:function", imported in the child only: the parent never imports what the child runs (the
-    HTTP process must not load torch for a core that does)."""
+    HTTP process must not load torch for a core that does). `env`: variables set in the child before it
+    imports `target` (torch reads some once, as it loads), inherited by its own children."""
     ctx = mp.get_context("spawn")
     death_reader, death_writer = ctx.Pipe(duplex=False)
     # Not a daemon: daemonic processes may not start children of their own (tensor-parallel workers).
@@ -120,7 +122,7 @@ def start_process(name: str, title: str, target: str, args: tuple = ()) -> Child
     # when that thread is the main one. The death pipe covers the other case.
     pdeathsig = threading.current_thread() is threading.main_thread()
     process = ctx.Process(target=_child_main, name=name, daemon=False,
-                          args=(title, os.getpid(), pdeathsig, death_reader, target, args))
+                          args=(title, os.getpid(), pdeathsig, death_reader, target, args, env or {}))
     # Blocked across the start, the child inherits the stop signals and SIGUSR1 deferred until its entry
     # has set their dispositions: a Ctrl-C while it imports torch must not kill it.
     with _main_module_hidden(), signals_blocked_for_child():
@@ -148,7 +150,8 @@ def _main_module_hidden() -> Iterator[None]:
 
 
 def _child_main(title: str, parent_pid: int, pdeathsig: bool, death_reader: Connection,
-                target: str, args: tuple) -> None:
+                target: str, args: tuple, env: dict[str, str]) -> None:
+    os.environ.update(env)
     for sig in STOP_SIGNALS:  # the supervisor alone acts on them
         signal.signal(sig, signal.SIG_IGN)
     faulthandler.enable()

@@ -1,4 +1,5 @@
-"""The one directory an instance keeps its files in: ipc sockets, the heartbeat slot, Prometheus's files.
+"""The one directory an instance keeps its files in: ipc sockets, the heartbeat slot, Prometheus's files, the
+engine core's temporary files.
 
 It is named after the owner's pid — `gracelm-<pid>-<random>` under `$XDG_RUNTIME_DIR` (or the temp dir) —
 so that a directory left behind by a killed instance can be told apart from a live one's.
@@ -36,6 +37,14 @@ class RuntimeDir:
         self.path = (base or runtime_base()) / name
         self.path.mkdir(mode=0o700)
         self._removed = False
+
+    def temp_dir(self) -> Path:
+        """`tmp/` inside it (made once): the engine core's `TMPDIR`, so that what torch or any library of
+        the core unpacks there (a compiled graph's shared library) goes with the directory, at a stop as
+        after a kill -9 (the next start's reclaim, `stale.py`)."""
+        path = self.path / "tmp"
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
 
     def ipc_address(self, name: str) -> str:
         """A ZMQ `ipc://` address for a socket file named `name` inside the directory."""

@@ -180,16 +180,18 @@ class AttentionMetadata:
     prefill_batch: PrefillBatch | None = None  # the others, attended together
 
     @classmethod
-    def build(cls, batch: ForwardBatch, kv_cache: torch.Tensor, batch_invariant: bool = False
-              ) -> AttentionMetadata:
+    def build(cls, batch: ForwardBatch, kv_cache: torch.Tensor, batch_invariant: bool = False,
+              decode_kernel: str = "auto") -> AttentionMetadata:
         """`kv_cache` is one layer's cache (every layer's has the same shape and dtype). `batch_invariant`:
-        every row is attended as a decode row, its result independent of the rest of the batch."""
+        every row is attended as a decode row, its result independent of the rest of the batch.
+        `decode_kernel`: `--decode-attention` (`config.DECODE_ATTENTION_CHOICES`)."""
         block_size = kv_cache.shape[3]
         starts = [0]
         for q in batch.query_lens:
             starts.append(starts[-1] + q)
         decode_seqs = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        groups = [_decode_group(batch, decode_seqs, starts, kv_cache, batch_invariant)] if decode_seqs else []
+        groups = [_decode_group(batch, decode_seqs, starts, kv_cache, batch_invariant, decode_kernel)
+                  ] if decode_seqs else []
         chunked = [i for i, q in enumerate(batch.query_lens) if q > 1]
         if batch_invariant:
             groups += [tile for i in chunked for tile in _prefill_tiles(batch, i, starts[i], kv_cache)]
@@ -202,7 +204,7 @@ class AttentionMetadata:
 
 
 def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], kv_cache: torch.Tensor,
-                  batch_invariant: bool) -> QueryGroup:
+                  batch_invariant: bool, kernel: str) -> QueryGroup:
     device = batch.block_tables.device
     index = torch.tensor(seqs, dtype=torch.long, device=device)
     seq_lens = torch.tensor([batch.seq_lens[i] for i in seqs], device=device)
@@ -211,7 +213,7 @@ def _decode_group(batch: ForwardBatch, seqs: list[int], starts: list[int], kv_ca
     group = _query_group(batch.block_tables.index_select(0, index), seq_lens[:, None], rows, kv_cache,
                          batch_invariant)
     group.lengths = seq_lens
-    group.fused = decode_attention.applies(kv_cache, batch_invariant)
+    group.fused = decode_attention.applies(kv_cache, batch_invariant, kernel)
     return group
 
 

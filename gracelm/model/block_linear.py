@@ -51,12 +51,15 @@ own), 576 in 8 bits. A thread reads its tiles' records front to back.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+import gracelm.cpu_features as cpu_features
 from gracelm.model.gguf_int4 import BITS, file_blocks
 from gracelm.model.kernel_library import LOADED
 
@@ -71,19 +74,25 @@ LAYOUT = "blocks-1"
 
 if LOADED:
     @torch.library.register_fake("gracelm::block_matmul")
-    def _(x: torch.Tensor, packed: torch.Tensor, out_features: int, bits: int) -> torch.Tensor:
+    def _(x: torch.Tensor, packed: torch.Tensor, out_features: int, bits: int, amx: bool) -> torch.Tensor:
         return x.new_empty((x.shape[0], out_features))
 
 
 def serves() -> bool:
-    """Whether this CPU runs the kernel (AVX-512 with VNNI), with gracelm._kernels built."""
-    return LOADED and torch.ops.gracelm.block_matmul_serves()
+    """Whether this CPU runs the kernel (AVX-512 with VNNI, not masked: `cpu_features.py`), with
+    gracelm._kernels built."""
+    return LOADED and cpu_features.has("avx512_vnni") and torch.ops.gracelm.block_matmul_serves()
 
 
 def amx_rows() -> int:
     """The least rows of a call that the AMX kernel takes (bfloat16 activations by 4-bit weights; see above),
-    0 where it serves none: a CPU without AMX, or an OS that refuses its registers."""
-    return torch.ops.gracelm.block_matmul_amx_rows() if serves() else 0
+    0 where it serves none: a CPU without AMX (or with it masked), or an OS that refuses its registers."""
+    return _amx_rows(cpu_features.active())
+
+
+@functools.cache
+def _amx_rows(active: frozenset[str]) -> int:
+    return torch.ops.gracelm.block_matmul_amx_rows() if "amx" in active and serves() else 0
 
 
 def record_bytes(bits: int) -> int:
@@ -167,5 +176,11 @@ class BlockLinear(nn.Module):
         """The kind of its cache entries and part of its compiled graphs' key."""
         return LAYOUT
 
+    @staticmethod
+    def path() -> str:
+        """The short name of its kernels, for /metrics."""
+        return "blocks-vnni" + ("+amx" if amx_rows() else "")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.gracelm.block_matmul(x.contiguous(), self.packed, self.rows, self.bits)
+        amx = amx_rows() > 0
+        return torch.ops.gracelm.block_matmul(x.contiguous(), self.packed, self.rows, self.bits, amx)

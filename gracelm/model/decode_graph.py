@@ -33,13 +33,15 @@ Which steps (`DecodeGraph.serves`): decode steps only, of a graph's count of seq
 eager's kernels as the context grows (compiled/eager at one sequence, measured: 0.6 at 40 tokens, 0.7 at
 256, 0.8 at 600, 0.8-0.95 at 1,000, above 1 at 2,000), so longer contexts stay eager.
 
-Kept on disk (`graph_path`): `<cache>/graphs/<key>.pt2`, each package with its constants (the layers'
-low-bit weights and norms: 70 MB for the default model, and as much memory once loaded), keyed by
-everything the compiled code depends on (`graph_key`): the model file's content hash, dtype, block size,
-the low-bit forms' layout, torch's version, the CPU's vector capability, the graph's sequences and
-`FORMAT_VERSION`. Building them takes about 40 s each of one core for the default model;
-`parallel/decode_graph_build.py` does it in a child process after the first start while the engine serves
-eagerly, and every later start loads them in 0.1 s each.
+Kept on disk (`graph_path`): `<cache>/graphs/<key>.pt2`, each package its code only: its constants (the
+layers' low-bit weights and norms) are the loaded model's own tensors, handed to it at load
+(`DecodeGraph.load`), so the weights are in memory once whatever the graphs. Keyed by everything the
+compiled code depends on (`graph_key`): the model file's content hash, dtype, block size, the low-bit
+forms' layout, torch's version, the CPU (its vector capability, the features in use, its own flags), the
+attention kernel, the graph's sequences and `FORMAT_VERSION`. Building them takes about 40 s each of one
+core for the default model; `parallel/decode_graph_build.py` does it in a child process after the first
+start while the engine serves eagerly, and every later start loads them in 0.1 s each. Before a loaded
+graph serves it proves itself (`decode_graph_check.py`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -55,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
+import gracelm.cpu_features as cpu_features
 from gracelm.arith import cdiv
 from gracelm.cache_dir import cache_dir, mtime
 from gracelm.model import decode_attention
@@ -65,14 +71,17 @@ from gracelm.model.kv_snapshot import pid_alive
 logger = logging.getLogger(__name__)
 
 # Part of the key: a change of what is exported or how must change it.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 5
 # Contexts up to this many tokens run compiled (see above).
 MAX_CONTEXT = 1024
 # Steps of more sequences than this run eagerly (the engine's default max_num_seqs).
 MAX_ROWS = 64
-# Packages kept in the cache folder, most recently used first: the graphs of two models.
-MAX_ENTRIES = 4
+# Packages kept in the cache folder, most recently used first: the graphs of eight models, or paths
+# (`cpu_features.py`); a package holds code only, a few MB.
+MAX_ENTRIES = 16
 _FOLDER = "graphs"
+# What torch's package loader names the directory it unpacks a package into.
+_UNPACKED = "aotinductor_*"
 
 
 class _DecoderStack(nn.Module):
@@ -84,6 +93,7 @@ class _DecoderStack(nn.Module):
         super().__init__()
         self.layers = decoder.layers
         self.norm = decoder.norm
+        self.decode_attention = decoder.decode_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
@@ -91,8 +101,9 @@ class _DecoderStack(nn.Module):
         _, kv_heads, _, block_size, head_dim = kv_caches[0].shape
         block_ids = block_tables.reshape(-1)
         keys = kv_caches[0].new_empty((kv_heads, block_ids.shape[0], block_size, head_dim))
+        fused = decode_attention.applies(kv_caches[0], choice=self.decode_attention)
         group = QueryGroup(None, 1, False, block_ids, block_tables.shape[1], mask, keys, slots,
-                           lengths=lengths, fused=decode_attention.applies(kv_caches[0]))
+                           lengths=lengths, fused=fused)
         meta = AttentionMetadata(slot_mapping, x.shape[0], [group], [])
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
@@ -113,10 +124,30 @@ class DecodeGraph:
         self.min_blocks = _min_blocks(rows)
 
     @classmethod
-    def load(cls, path: Path, rows: range, block_size: int) -> DecodeGraph:
-        # torch's `aoti_load_package` wraps this loader, but importing it imports inductor and dynamo (1.4 s
-        # of a start), and its call parses the call spec and flattens the arguments at every step.
-        runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    def load(cls, path: Path, rows: range, block_size: int, decoder: nn.Module) -> DecodeGraph:
+        """The package at `path`, loaded, its constants (the layers' weights) those of `decoder` (the
+        model's `LlamaModel`) itself: a package holds none of its own (`compile_graph`), so the weights are
+        in memory once. torch's loader unpacks the package into a directory of its own under the temporary
+        directory (`$TMPDIR`: the engine core's is inside its runtime directory) and leaves it there; its
+        shared library is mapped once loaded, so the directory is removed at once, loaded or not (a partial
+        unpacking into a full filesystem too)."""
+        temp = Path(tempfile.gettempdir())
+        before = set(temp.glob(_UNPACKED))
+        try:
+            # torch's `aoti_load_package` wraps this loader, but importing it imports inductor and dynamo (1.4
+            # s of a start), and its call parses the call spec and flattens the arguments at every step.
+            runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        finally:
+            _remove_unpacked(set(temp.glob(_UNPACKED)) - before, path)
+        stack = _DecoderStack(decoder)
+        tensors = {**dict(stack.named_parameters()), **dict(stack.named_buffers())}
+        names = runner.get_constant_fqns()
+        missing = [name for name in names if name not in tensors]
+        if missing:
+            raise ValueError(f"the package needs constants the model lacks: {', '.join(missing[:4])}")
+        # Not copied (user-managed): the graph reads the model's own tensors, which outlive it (it is the
+        # model's, `LlamaModel.decode_graphs`).
+        runner.load_constants({name: tensors[name] for name in names}, False, True, True)
         with contextlib.suppress(OSError):
             os.utime(path)  # most recently used
         return cls(runner, rows, block_size)
@@ -150,16 +181,28 @@ def graph_batches(model: nn.Module) -> tuple[range, ...]:
     return (range(1, 2),) + ((range(2, most + 1),) if most >= 2 else ())
 
 
-def graph_key(model_hash: str, dtype: torch.dtype, block_size: int, rows: range, layout: str) -> str:
-    """`layout`: the model's low-bit forms' (`low_bit_layout`)."""
+def graph_key(model_hash: str, dtype: torch.dtype, block_size: int, rows: range, layout: str,
+              attention: str) -> str:
+    """`layout`: the model's low-bit forms' (`low_bit_layout`); `attention`: `--decode-attention`. The CPU
+    features in use (`cpu_features.py`) are part of it, since a graph calls the kernels they choose, and so
+    is the host CPU's fingerprint: inductor compiles for this very CPU, whose code another CPU of the same
+    vector width may not run (a cache folder shared between a Sapphire Rapids and a Zen 4)."""
     parts = [model_hash, str(dtype), f"block {block_size}", f"low-bit layout {layout}", torch.__version__,
-             torch.backends.cpu.get_cpu_capability(), f"max context {MAX_CONTEXT}", f"rows {rows}",
-             f"fused attention {decode_attention.LOADED}", f"v{FORMAT_VERSION}"]
+             torch.backends.cpu.get_cpu_capability(), f"features {cpu_features.describe()}",
+             f"cpu {cpu_features.fingerprint()}",
+             f"max context {MAX_CONTEXT}", f"rows {rows}", f"attention {attention} {decode_attention.isa()} "
+             f"{decode_attention.LOADED}", f"v{FORMAT_VERSION}"]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
 def graph_path(key: str) -> Path:
     return cache_dir(_FOLDER) / f"{key}.pt2"
+
+
+def inductor_cache() -> Path:
+    """Inductor's own cache (its compiled kernels, by their source): a compile that a stop cut short, run
+    again, finds there what it had compiled."""
+    return cache_dir(_FOLDER, "inductor")
 
 
 def compile_graph(model: nn.Module, block_size: int, rows: range, path: Path) -> None:
@@ -188,8 +231,11 @@ def compile_graph(model: nn.Module, block_size: int, rows: range, path: Path) ->
     # whatever the machine: the loops take the running team's size, so a package fits every thread count.
     torch.set_num_threads(1 if len(rows) == 1 else 2)
     try:
+        # Without its constants: the loaded graph takes the model's own (`DecodeGraph.load`).
+        configs = {"emulate_precision_casts": True, "cpp.march": cpu_features.compiler_arch(),
+                   "aot_inductor.package_constants_in_so": False}
         torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary),
-                                                 inductor_configs={"emulate_precision_casts": True})
+                                                 inductor_configs=configs)
         os.replace(temporary, path)
     finally:
         torch.set_num_threads(threads)
@@ -224,6 +270,28 @@ def _example_inputs(decoder: nn.Module, config: object, block_size: int, seqs: i
     group = meta.groups[0]
     return (x, cos, sin, meta.slot_mapping, group.block_ids.view(seqs, -1), group.mask, group.slots,
             group.lengths, caches)
+
+
+def _remove_unpacked(directories: set[Path], package: Path) -> None:
+    """Removes the directories torch's loader unpacked `package` into: of those made during its load, the
+    ones that hold the package's own top folder (another process may be unpacking beside it)."""
+    try:
+        with zipfile.ZipFile(package) as archive:
+            top = archive.namelist()[0].split("/")[0]
+    except (OSError, zipfile.BadZipFile, IndexError):
+        top = None
+    for directory in directories:
+        if top is None or (directory / top).exists():
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def damaged(package: Path) -> bool:
+    """Whether `package` is not a whole zip archive (a failure to load it may be the filesystem's instead)."""
+    try:
+        with zipfile.ZipFile(package) as archive:
+            return archive.testzip() is not None
+    except (OSError, zipfile.BadZipFile):
+        return True
 
 
 def _prune(folder: Path) -> None:

@@ -1,5 +1,5 @@
 """gracelm's compiled CPU kernels, `gracelm._kernels`, built from `gracelm/csrc/` when the package is
-installed (`setup.py`): fused paged decode attention (`decode_attention.py`) and the 8-bit-activation
+installed (`setup.py`): fused paged decode attention (`decode_attention.py`), the 8-bit-activation
 matmul of a GGUF file's blocks (`block_linear.py`). Loaded once, here, for both."""
 
 from __future__ import annotations

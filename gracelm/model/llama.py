@@ -13,6 +13,7 @@ parts' row counts (`output_sizes`).
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Mapping
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import gracelm.cpu_features as cpu_features
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.attention import AttentionMetadata, paged_attention
 from gracelm.model.decode_graph import DecodeGraph
@@ -34,6 +36,8 @@ from gracelm.model.quantized_linear import (
 )
 from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from gracelm.model.row_tiles import RowTiles
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 
@@ -151,6 +155,17 @@ def low_bit_layout(module: nn.Module) -> str:
     return forms[0].layout() if forms else ""
 
 
+def linear_path(module: nn.Module) -> str:
+    """The short name of the linears' kernels below `module`, for /metrics: the low-bit form's, if any, then
+    the dense weights' (e.g. "blocks-vnni+amx/dense-bfloat16-onednn")."""
+    linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
+    first = linears[0]
+    dense = ("dense-bfloat16-onednn" if first.packed is not None  # oneDNN packs bfloat16 only
+             else f"dense-{str(first.weight.dtype).removeprefix('torch.')}")
+    low_bit = next((m.int4 for m in linears if m.int4 is not None and m.int4_max_rows > 0), None)
+    return dense if low_bit is None else f"{low_bit.path()}/{dense}"
+
+
 def describe_linear_kernels(module: nn.Module) -> str:
     """Which kernels the frozen linears below `module` use, for the log."""
     linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
@@ -175,9 +190,10 @@ def describe_linear_kernels(module: nn.Module) -> str:
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's own layout (an opaque tensor); None where `F.linear` does not use oneDNN
-    (oneDNN refuses to pack bfloat16 on a CPU without native bfloat16 support: `F.linear` emulates it)."""
+    (oneDNN refuses to pack bfloat16 on a CPU without native bfloat16 support, or with it masked:
+    `F.linear` emulates it)."""
     on_cpu = (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+              and cpu_features.native_bfloat16())
     if weight.dtype != torch.bfloat16 or not on_cpu:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -293,6 +309,9 @@ class LlamaModel(nn.Module):
         self.int4_gate: Int4Gate | None = None  # shared by the linears that have 4-bit forms, once frozen
         self.batch_invariant = False  # attend every row alike (`batch_invariant.py`)
         self.decode_graphs: list[DecodeGraph] = []  # compiled decode steps, once loaded (`decode_graph.py`)
+        self.decode_graph_failure: str | None = None  # why the graphs were dropped, if they were
+        self.compiled_steps = 0  # steps a graph ran
+        self.decode_attention = "auto"  # `--decode-attention` (`config.DECODE_ATTENTION_CHOICES`)
 
     def freeze(self, int4: Int4Choice | None = None) -> None:
         """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`), with the 4-bit forms `int4`
@@ -308,8 +327,10 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm of the rows `batch.logits_indices`."""
         x, cos, sin, meta = self.step_inputs(batch, kv_caches)
         graph = self._graph_for(batch)
-        if graph is not None:
-            hidden = graph(x, cos, sin, meta, kv_caches).index_select(0, batch.logits_indices)
+        out = None if graph is None else self._run_graph(graph, x, cos, sin, meta, kv_caches)
+        if out is not None:
+            self.compiled_steps += 1
+            hidden = out.index_select(0, batch.logits_indices)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, cos, sin, kv_cache, meta)
@@ -324,18 +345,34 @@ class LlamaModel(nn.Module):
         metadata; and the int4 gate told whether the step has prompt rows."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
-        meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant)
+        meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant, self.decode_attention)
         if self.int4_gate is not None:
             self.int4_gate.mark(batch.low_bit_sequences(SHORT_PROMPT), batch.query_lens)
         return x, cos, sin, meta
 
     def _graph_for(self, batch: ForwardBatch) -> DecodeGraph | None:
-        """The compiled decode step that serves this step, if any: they were traced through the int4
-        kernels."""
-        if (not self.decode_graphs or self.batch_invariant
-                or self.int4_gate.low_rows(len(batch.query_lens)) is not True):
+        """The compiled decode step that serves this step, if any: a step of decode tokens alone (so one
+        row a sequence), every row of which takes the low-bit forms the graphs were traced through."""
+        if not self.decode_graphs or self.batch_invariant:
             return None
-        return next((graph for graph in self.decode_graphs if graph.serves(batch)), None)
+        graph = next((graph for graph in self.decode_graphs if graph.serves(batch)), None)
+        if graph is None or self.int4_gate.low_rows(len(batch.query_lens)) is not True:
+            return None
+        return graph
+
+    def _run_graph(self, graph: DecodeGraph, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+        """The graph's output, or None where it raised: then every graph is dropped, the step and every
+        later one run eagerly (this one rewrites every slot the graph may have written), and
+        `decode_graph_failure` says why. A defect of a fast path costs speed, never the server."""
+        try:
+            return graph(x, cos, sin, meta, kv_caches)
+        except Exception as e:
+            logger.exception("decode graph of %d to %d sequences raised; serving eagerly from now on",
+                             graph.rows.start, graph.rows.stop - 1)
+            self.decode_graphs = []
+            self.decode_graph_failure = f"a compiled step raised {type(e).__name__}: {e}"
+            return None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+import gracelm.cpu_features as cpu_features
 from gracelm.config import QUANTIZATION_CHOICES, ModelConfig
 from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import LlamaForCausalLM
@@ -220,10 +221,11 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _half_precision(device: torch.device) -> torch.dtype:
     """bfloat16 where the device computes it natively: a GPU from Ampere on, a CPU with oneDNN's bf16
     kernels (AVX-512 BF16/VNNI or AMX). Elsewhere float16 on a GPU, and float32 on a CPU, where bfloat16 is
-    emulated and a decode step 3-4x slower (float16 too is slow on CPU)."""
+    emulated and a decode step 3-4x slower (float16 too is slow on CPU), as where its bfloat16 is masked
+    (`cpu_features.py`)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_features.native_bfloat16() else torch.float32
 
 
 def _auto_dtype_of_safetensors(handles: Any, device: torch.device) -> torch.dtype:

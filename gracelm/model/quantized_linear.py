@@ -48,6 +48,7 @@ from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
 from gracelm.model.block_linear import BlockLinear
 from gracelm.model.block_linear import serves as block_serves
 from gracelm.model.gguf_int4 import input_copies, int4_blocks
+from gracelm.model.kernel_library import LOADED
 from gracelm.model.low_bit_gate import Int4Gate
 
 # The activations' and scales' dtype of the kernel's vectorised path: other activations are cast to it.
@@ -149,14 +150,27 @@ class Int4Linear(nn.Module):
         """The kind of its cache entries and part of its compiled graphs' key."""
         return f"int4-{layout_id()}"
 
+    @staticmethod
+    def path() -> str:
+        """The short name of its kernel, for /metrics."""
+        return "int4"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T in the scales' dtype, returned in x's (a no-op cast where they agree)."""
         kernel_input = x.to(self.scales_zeros.dtype)
         if self.input_copies > 1:
             kernel_input = kernel_input.repeat(1, self.input_copies)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(kernel_input.contiguous(),
-                                                         self.packed, GROUP_SIZE, self.scales_zeros)
+        out = _int4_matmul(kernel_input.contiguous(), self.packed, GROUP_SIZE, self.scales_zeros)
         return (out if out.shape[1] == self.rows else out[:, : self.rows]).to(x.dtype)
+
+
+# torch's kernel, through gracelm's op where the library is built (`gracelm/csrc/int4_matmul.cpp`: a compiled
+# decode graph calls it as it is).
+_int4_matmul = torch.ops.gracelm.int4_matmul if LOADED else torch.ops.aten._weight_int4pack_mm_for_cpu
+if LOADED:
+    @torch.library.register_fake("gracelm::int4_matmul")
+    def _(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], scales_zeros.shape[1]))
 
 
 # A matrix's low-bit form: the file's blocks for the 8-bit-activation kernel, or torch's int4 kernel's.
@@ -239,7 +253,10 @@ def halves_rows_for(dtype: torch.dtype) -> int | None:
 @functools.cache
 def layout_id() -> str:
     """A fingerprint of the running kernel's packed layout (it depends on the CPU's vector width and may
-    change with torch): a probe of a full block and a partial one, packed and hashed."""
-    probe = (torch.arange(112 * 64, dtype=torch.int32) * 7 % 16).reshape(112, 64)
+    change with torch): a probe of a full block and a partial one, over several groups of inputs, packed and
+    hashed. Random values: a periodic probe packed alike where the layouts move values within their period
+    (AVX2's and the baseline's did), and a cache entry of the one was then read by the other."""
+    probe = torch.randint(0, 16, (112, 4 * GROUP_SIZE), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, _INNER_K_TILES)
     return hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:12]

@@ -1,16 +1,20 @@
 """Gets rank 0's model its compiled decode steps (`model/decode_graph.py`: one for one sequence, one for 2
 up to 64, `graph_batches`) without delaying the start: loaded from the cache when they are there (0.1 s
-each, before the core says Ready), else compiled in a child process (`gracelm::compile`, niced, one
-thread) while the engine serves eagerly, and each loaded between two steps once the child has written it
-(one sequence's first).
+each, before the core says Ready), else compiled in a child process (`gracelm::compile`, one thread, at
+idle priority) while the engine serves eagerly, and each loaded between two steps once the child has
+written it (one sequence's first). A stop before the end keeps the graphs written: the next start compiles
+only the others, and finds in inductor's cache the kernels it had compiled.
 A start that finds no package therefore serves at eager speed for a minute or two (the default model on
 this project's machine: about 45 s, then 40 s more, with the attention a compiled op of its own); every
 later start of the same model, torch and CPU is fast from its first step.
 
+Each graph proves itself before it serves (`model/decode_graph_check.py`). A graph that cannot be loaded or
+fails its check, a compiler that fails, and a compiled step that raises while serving (`LlamaModel`) cost
+only speed: each is logged, `status()` says so on /metrics, and the engine serves those steps eagerly.
+
 The child is a resource of the executor's ledger: a stop kills it (a compile is worth nothing half done;
-its temporary file is removed by the next compile) and any compiler process it left. Its failure costs only
-speed: it is logged, and the engine goes on eagerly. Where the graphs do not apply (`graph_applies`), nothing
-is started."""
+its temporary file is removed by the next compile) and any compiler process it left. Where the graphs do
+not apply (`graph_applies`), nothing is started."""
 
 from __future__ import annotations
 
@@ -22,10 +26,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import gracelm.cpu_features as cpu_features
 from gracelm.config import EngineConfig
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import ChildProcess, exit_process, start_process
-from gracelm.model.decode_graph import DecodeGraph, compile_graph, graph_batches, graph_key, graph_path
+from gracelm.model.decode_graph import (
+    DecodeGraph,
+    compile_graph,
+    damaged,
+    graph_batches,
+    graph_key,
+    graph_path,
+    inductor_cache,
+)
+from gracelm.model.decode_graph_check import check
 from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import low_bit_layout
 from gracelm.model.loader import LoadedModel, load_model
@@ -51,19 +65,15 @@ class DecodeGraphBuild:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, ledger: Ledger) -> None:
         self.loaded = loaded
         self.block_size = config.block_size
-        key = (content_hash(loaded.path), loaded.dtype, config.block_size)
-        layout = low_bit_layout(loaded.model)
-        self._pending = {rows: graph_path(graph_key(*key, rows, layout))
-                         for rows in graph_batches(loaded.model)}
+        self._pending = graph_files(config, loaded)
+        self.failures: list[str] = []  # why a graph does not serve
         self._load_written()
         self._child: ChildProcess | None = None
         if not self._pending:
             return
-        missing = [(rows, str(path)) for rows, path in self._pending.items()]
-        self._child = start_process("decode graph compiler", "gracelm::compile", COMPILER_ENTRY,
-                                    (config, missing))
+        self._child = start_process("decode graph compiler", "gracelm::compile", COMPILER_ENTRY, (config,))
         logger.info("decode graph: compiling in the background (pid %d): %d graph(s); eager until each is "
-                    "ready", self._child.pid, len(missing))
+                    "ready", self._child.pid, len(self._pending))
         ledger.acquire(ResourceKind.PROCESS, f"decode graph compiler (pid {self._child.pid})", self._stop,
                        timeout=_STOP_TIMEOUT_S + 1)
 
@@ -76,24 +86,51 @@ class DecodeGraphBuild:
         code = self._child.exitcode
         self._load_written()
         if self._pending and code is not None:
-            logger.warning("decode graph: the compiler ended (%s); serving eagerly where no graph is loaded",
-                           self._child.describe_exit())
+            self._fail(f"the compiler ended ({self._child.describe_exit()})")
             self._pending.clear()
 
+    def status(self) -> str:
+        """For /metrics: compiling, compiled, partly-compiled (a graph failed, another serves),
+        eager-fallback (every graph failed: `failures`)."""
+        if self._pending:
+            return "compiling"
+        decoder = self.loaded.model.model
+        if decoder.decode_graph_failure is None and not self.failures:
+            return "compiled"
+        return "partly-compiled" if decoder.decode_graphs else "eager-fallback"
+
     def _load_written(self) -> None:
+        if self.loaded.model.model.decode_graph_failure is not None:  # a compiled step raised: no more
+            self._pending.clear()
+            return
         for rows, path in list(self._pending.items()):
             if not path.exists():
                 continue
             del self._pending[rows]
-            try:
-                graph = DecodeGraph.load(path, rows, self.block_size)
-            except Exception as e:  # a damaged package: rebuilt at the next start
-                logger.warning("decode graph: cannot load %s (%s); removed", path, e)
+            graph = self._load(path, rows)
+            if graph is not None:
+                self.loaded.model.model.decode_graphs.append(graph)
+                logger.info("decode graph loaded from %s: decode steps of %d to %d sequences run compiled",
+                            path, rows.start, rows.stop - 1)
+
+    def _load(self, path: Path, rows: range) -> DecodeGraph | None:
+        """The graph at `path`, loaded and checked (`decode_graph_check.py`); None where it failed."""
+        try:
+            graph = DecodeGraph.load(path, rows, self.block_size, self.loaded.model.model)
+        except Exception as e:
+            if damaged(path):  # rebuilt at the next start
                 path.unlink(missing_ok=True)
-                continue
-            self.loaded.model.model.decode_graphs.append(graph)
-            logger.info("decode graph loaded from %s: decode steps of %d to %d sequences run compiled", path,
-                        rows.start, rows.stop - 1)
+            self._fail(f"cannot load {path} ({e}){'; removed' if not path.exists() else ''}")
+            return None
+        problem = check(self.loaded.model, graph, self.block_size)
+        if problem is not None:
+            self._fail(f"the graph of {rows.start} to {rows.stop - 1} sequences failed its check: {problem}")
+            return None
+        return graph
+
+    def _fail(self, why: str) -> None:
+        logger.warning("decode graph: %s; serving eagerly where it would have served", why)
+        self.failures.append(why)
 
     def _stop(self) -> str:
         assert self._child is not None
@@ -102,23 +139,46 @@ class DecodeGraphBuild:
         return self._child.stop(_STOP_TIMEOUT_S)
 
 
-def compile_in_child(config: EngineConfig, missing: list[tuple[range, str]]) -> None:
+def graph_files(config: EngineConfig, loaded: LoadedModel) -> dict[range, Path]:
+    """Where the cache keeps each graph of `loaded` (frozen, its CPU features masked as `config` says), by
+    the sequences of its steps (`graph_batches`)."""
+    key = (content_hash(loaded.path), loaded.dtype, config.block_size)
+    layout = low_bit_layout(loaded.model)
+    return {rows: graph_path(graph_key(*key, rows, layout, config.decode_attention))
+            for rows in graph_batches(loaded.model)}
+
+
+def compile_in_child(config: EngineConfig) -> None:
     """The compiler process: loads the model as the engine core did (its conversions are cached by now) and
-    writes each missing package (the graph of `rows` sequences at `path`), one sequence's first."""
+    writes each package the cache lacks, one sequence's first."""
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s")
-    os.nice(10)  # the serving core comes first
+    _serving_first()
     # torch.fx's interpreter makes a (disabled) tqdm bar, whose default lock is a multiprocessing semaphore:
     # registered with the resource tracker in a spawned process, and left to it by the quick exit below.
     tqdm.set_lock(threading.RLock())
     torch.set_num_threads(1)
     # Before inductor reads its configuration: no pool of compile workers, and its own cache in gracelm's.
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(missing[0][1]).parent / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
+    cpu_features.mask(config.mask_cpu_features)
     loaded = load_model(config.model, config.dtype, config.quantization)
     loaded.freeze()
-    for rows, path in missing:
-        compile_graph(loaded.model, config.block_size, rows, Path(path))
-        logger.info("decode graph written to %s", path)
-    # At once: the interpreter's teardown of torch and inductor took 26 s at nice 10 beside a busy core.
+    loaded.model.model.decode_attention = config.decode_attention
+    for rows, path in graph_files(config, loaded).items():
+        if not path.exists():
+            compile_graph(loaded.model, config.block_size, rows, path)
+            logger.info("decode graph written to %s", path)
+    # At once: the interpreter's teardown of torch and inductor took 26 s at low priority beside a busy core.
     exit_process(0)
+
+
+def _serving_first() -> None:
+    """Runs this process (and the compilers it starts, which inherit it) only on CPU time that serving
+    leaves idle (SCHED_IDLE): the compile costs the requests beside it no CPU time, only what they share
+    besides (caches, memory bandwidth), and goes on between their steps. Where the policy is refused, the
+    lowest nice value."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)

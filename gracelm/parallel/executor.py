@@ -133,6 +133,15 @@ class Executor:
             self._death_raised = True
             raise death from e
 
+    def kernel_paths(self) -> dict[str, str]:
+        """Rank 0's kernels, and whether its decode steps run compiled (`decode_graph_build.py`)."""
+        graph = "eager" if self.graph_build is None else self.graph_build.status()
+        return {**self._driver.kernel_paths(), "decode_graph": graph}
+
+    def compiled_steps(self) -> int:
+        """Steps rank 0 ran through a compiled decode graph so far."""
+        return 0 if self._driver.loaded is None else self._driver.loaded.model.model.compiled_steps
+
     def release_requests(self, request_ids: list[str]) -> None:
         self._driver.release_requests(request_ids)
 

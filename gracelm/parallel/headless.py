@@ -14,6 +14,7 @@ import logging
 import signal
 from multiprocessing.connection import wait
 
+import gracelm.cpu_features as cpu_features
 from gracelm.config import EngineConfig
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
@@ -44,7 +45,8 @@ def run_headless(config: EngineConfig) -> int:
         for rank in layout.node_ranks(config.node_rank):
             process = start_process(f"Worker-{rank}", f"gracelm::worker-{rank}", WORKER_ENTRY,
                                     (config, rank, layout.world_size, host, port,
-                                     logging.getLogger().getEffectiveLevel()))
+                                     logging.getLogger().getEffectiveLevel()),
+                                    cpu_features.environment(config.mask_cpu_features))
             workers[rank] = process
             ledger.acquire(ResourceKind.PROCESS, f"worker rank {rank} (pid {process.pid})",
                            lambda p=process: p.stop(WORKER_STOP_TIMEOUT_S), timeout=WORKER_STOP_TIMEOUT_S + 7)

@@ -31,6 +31,7 @@ import traceback
 import psutil
 import torch
 
+import gracelm.cpu_features as cpu_features
 from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model import decode_attention
@@ -39,7 +40,7 @@ from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.device import resolve_device
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.kv_cache_commit import KVCacheCommit
-from gracelm.model.llama import describe_linear_kernels
+from gracelm.model.llama import describe_linear_kernels, linear_path
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.prompt_logprobs import prompt_logprobs
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
@@ -67,6 +68,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        cpu_features.mask(config.mask_cpu_features)  # before any kernel is chosen
         self.device = resolve_device(config.device, config.tensor_parallel_size)
         self.loaded: LoadedModel | None = None
         self.shard: TensorParallelModel | None = None
@@ -111,8 +113,23 @@ class Worker:
         elif self.config.deterministic:
             make_batch_invariant(self.loaded.model)
         model = self.shard if self.shard is not None else self.loaded.model
+        self.loaded.model.model.decode_attention = self.config.decode_attention
+        if self.rank == 0:
+            logger.info("CPU features: %s", cpu_features.describe())
         logger.info("rank %d linear kernels: %s", self.rank, describe_linear_kernels(model))
         return self.loaded
+
+    def kernel_paths(self) -> dict[str, str]:
+        """The short names of the kernels this rank's steps take, for /metrics (`docs/kernel_paths.md`);
+        none once the model is freed."""
+        if self.loaded is None:
+            return {}
+        model = self.shard if self.shard is not None else self.loaded.model
+        paths = {"linear": linear_path(model)}
+        if self.kv_caches:
+            paths["decode_attention"] = decode_attention.path(self.kv_caches[0], self.config.deterministic,
+                                                              self.config.decode_attention)
+        return paths
 
     @property
     def shard_config(self) -> ModelConfig:
@@ -139,8 +156,11 @@ class Worker:
         self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
                                            self.loaded.dtype, self.device)
         if self.kv_caches:
+            decode_attention.check_choice(self.config.decode_attention, self.kv_caches[0],
+                                          self.config.deterministic)
             logger.info("rank %d decode attention: %s", self.rank,
-                        decode_attention.describe(self.kv_caches[0], self.config.deterministic))
+                        decode_attention.describe(self.kv_caches[0], self.config.deterministic,
+                                                  self.config.decode_attention))
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:

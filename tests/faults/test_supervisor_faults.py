@@ -1,5 +1,5 @@
 """Kill -9 of the supervisor: every child follows within a second, and the next start reclaims the runtime
-directory it left."""
+directory it left, the engine core's temporary files with it: nothing is left in TMPDIR."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ import time
 import psutil
 
 from tests.faults.helpers import serve
+from tests.server_process import temp_entries
 
 
 def test_kill_9_of_the_supervisor_takes_every_child_and_the_next_start_reclaims(model):
+    temp_before = set(temp_entries())
     server = serve(model)
     server.capture()
     (runtime_dir,) = server.runtime_dirs
+    # The core's temporary files (a compiled graph torch unpacks, say) are the runtime directory's.
+    (runtime_dir / "tmp" / "aotinductor_unpacking").mkdir()  # as if killed while a package unpacks
     killed = time.monotonic()
     server.process.kill()
     server.wait_exit(5)
@@ -27,5 +31,6 @@ def test_kill_9_of_the_supervisor_takes_every_child_and_the_next_start_reclaims(
     with serve(model) as following:  # stopped, or killed if an assertion fails: nothing outlives the test
         assert f"reclaimed stale runtime dir {runtime_dir}" in following.log()
         assert not runtime_dir.exists()
+    assert [entry for entry in temp_entries() if entry not in temp_before] == []
 
 

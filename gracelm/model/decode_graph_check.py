@@ -1,0 +1,111 @@
+"""A compiled decode step proves itself before it serves (`check`).
+
+A graph is code that inductor compiled on the fly for this CPU, these kernels and this model; a defect in it,
+or in the way the engine calls it, must cost speed, never the server. So before a loaded graph serves, the
+model runs two synthetic steps over a scratch KV cache of random values, once with the graph and once
+eagerly, and the graph serves only where both agree (`close`):
+- a step of decode tokens that the graph serves: one sequence, or three of different lengths (within one
+  block, across blocks, in blocks out of order);
+- a step that mixes a prompt with those decode tokens, which no graph serves: it must run, and eagerly.
+Both must not raise. What fails is logged by the caller (`parallel/decode_graph_build.py`), which serves
+eagerly instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gracelm.arith import cdiv
+from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.decode_graph import DecodeGraph
+from gracelm.model.forward_batch import ForwardBatch
+from gracelm.model.low_bit_gate import SHORT_PROMPT
+
+# The decode tokens' contexts: as many of them as the graph serves sequences, up to all.
+_CONTEXTS = [40, 0, 17]
+_PROMPT = SHORT_PROMPT + 4
+_SEED = 20261205
+
+
+def close(ours: torch.Tensor, eager: torch.Tensor) -> bool:
+    """Whether a compiled step's logits equal eager's within bfloat16's rounding: a relative step (2^-6),
+    or one step of the largest logit (a hidden state one step off moves a small logit by that much).
+    Inductor rounds where eager rounds, but a fused reduction may sum in another order."""
+    bound = max(1e-2, 2**-7 * float(eager.abs().max()))
+    within = (ours - eager).abs() <= bound + 1.6e-2 * eager.abs()
+    return bool(torch.isfinite(ours).all()) and bool(within.all())
+
+
+def check(model: nn.Module, graph: DecodeGraph, block_size: int) -> str | None:
+    """None where `graph` serves `model` (a frozen `LlamaForCausalLM`) as eager does; else what differs."""
+    decode = _decode_batch(_CONTEXTS[:min(len(_CONTEXTS), graph.rows.stop - 1)], block_size)
+    for batch, compiled in ((decode, True), (_mixed_batch(decode, block_size), False)):
+        try:
+            ours, eager, served, raised = _both(model, graph, batch, block_size)
+        except Exception as e:  # noqa: BLE001 - the graph's failure, reported
+            return f"a check step raised {type(e).__name__}: {e}"
+        if raised is not None:
+            return raised
+        if served != compiled:
+            return "it does not serve a step of its own sequences" if compiled else "it served a mixed step"
+        if not close(ours, eager):
+            return f"its logits differ from eager's by up to {float((ours - eager).abs().max()):.3g}"
+    return None
+
+
+def _both(model: nn.Module, graph: DecodeGraph, batch: ForwardBatch, block_size: int
+          ) -> tuple[torch.Tensor, torch.Tensor, bool, str | None]:
+    """The logits of `batch` with the graph and without, each over its copy of one scratch cache; whether
+    the graph ran; and why it failed where it raised (the model then ran the step eagerly). The model's
+    graphs and counts are left as they were."""
+    blocks = int(batch.block_tables.max()) + 1
+    caches = allocate_kv_cache(model.config, blocks, block_size, model.model.embed_tokens.weight.dtype)
+    generator = torch.Generator().manual_seed(_SEED)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    decoder = model.model
+    kept = decoder.decode_graphs, decoder.decode_graph_failure, decoder.compiled_steps
+    try:
+        decoder.decode_graphs = [graph]
+        ours = model(batch, [cache.clone() for cache in caches])
+        served, raised = decoder.compiled_steps > kept[2], decoder.decode_graph_failure
+        decoder.decode_graphs = []
+        eager = model(batch, caches)
+    finally:
+        decoder.decode_graphs, decoder.decode_graph_failure, decoder.compiled_steps = kept
+    return ours, eager, served, raised
+
+
+def _decode_batch(contexts: list[int], block_size: int) -> ForwardBatch:
+    """The decode token of each sequence after `contexts[i]` cached tokens; the sequences' blocks taken
+    from the top of the cache down, so that none lies after its predecessor."""
+    widths = [cdiv(context + 1, block_size) for context in contexts]
+    ids = iter(range(sum(widths) + _PROMPT, 0, -1))  # block 0 unused, below the prompt's blocks
+    tables = torch.zeros(len(contexts), max(widths), dtype=torch.long)
+    for row, width in enumerate(widths):
+        tables[row, :width] = torch.tensor([next(ids) for _ in range(width)])
+    slots = [int(tables[i, c // block_size]) * block_size + c % block_size for i, c in enumerate(contexts)]
+    return ForwardBatch(input_ids=torch.arange(7, 7 + len(contexts)), positions=torch.tensor(contexts),
+                        slot_mapping=torch.tensor(slots), query_lens=[1] * len(contexts),
+                        seq_lens=[c + 1 for c in contexts], block_tables=tables,
+                        logits_indices=torch.arange(len(contexts)), prompt_lens=[1] * len(contexts))
+
+
+def _mixed_batch(decode: ForwardBatch, block_size: int) -> ForwardBatch:
+    """A new prompt of `_PROMPT` tokens (in blocks 1 and up) followed by `decode`'s tokens."""
+    width = cdiv(_PROMPT, block_size)
+    prompt_table = torch.arange(1, width + 1)
+    columns = max(width, decode.block_tables.shape[1])
+    tables = torch.zeros(1 + len(decode.query_lens), columns, dtype=torch.long)
+    tables[0, :width] = prompt_table
+    tables[1:, :decode.block_tables.shape[1]] = decode.block_tables
+    positions = torch.arange(_PROMPT)
+    prompt_slots = prompt_table[positions // block_size] * block_size + positions % block_size
+    return ForwardBatch(
+        input_ids=torch.cat([torch.arange(3, 3 + _PROMPT), decode.input_ids]),
+        positions=torch.cat([positions, decode.positions]),
+        slot_mapping=torch.cat([prompt_slots, decode.slot_mapping]),
+        query_lens=[_PROMPT, *decode.query_lens], seq_lens=[_PROMPT, *decode.seq_lens], block_tables=tables,
+        logits_indices=torch.cat([torch.tensor([_PROMPT - 1]), decode.logits_indices + _PROMPT]),
+        prompt_lens=[_PROMPT, *decode.prompt_lens])
