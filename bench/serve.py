@@ -10,6 +10,8 @@ the server it measures, and httpx's streaming took twice the CPU (2.2 s against 
     python bench/serve.py run --base-url http://127.0.0.1:8000 --concurrency 1 8 32
     python bench/serve.py setup-llama-cpp              # builds llama.cpp's llama-server in its own folder
     python bench/serve.py compare --concurrency 1 8 32 --max-tokens 128 --repeats 2
+    python bench/serve.py compare --gracelm-args "--mask-cpu-features amx"   # another CPU's paths
+    python bench/serve.py compile-cost --concurrency 8 --num-prompts 32      # a first start's compile
     python bench/serve.py run --concurrency 1 32 --json-schema-fraction 0 0.5 1   # structured-output mix
 
 `--json-schema-fraction F ...` runs each concurrency level once per fraction F of requests under a JSON
@@ -28,7 +30,14 @@ at a time on free ports, and loads each the same way: streaming `/v1/completions
 `--max-tokens` tokens (`ignore_eos`; a request whose `usage` counts other than that fails). `--repeats R`
 runs the servers R times, the order swapped each repeat, and reports gracelm / llama-server ratios per
 repeat and their median. `--llama-cpp-python` adds the Python wrapper's server as a further peer
-(`--interrupt_requests False`, else a new request cuts a running stream). """
+(`--interrupt_requests False`, else a new request cuts a running stream). `--gracelm-args` passes more
+options to `gracelm serve` (a masked CPU feature runs another CPU's kernel paths: docs/kernel_paths.md).
+
+`compile-cost` measures what a first start's background compile of the decode graphs costs the requests
+served meanwhile: each repeat loads a server that is compiling (a graph cache of its own, empty; the
+converted weights shared) and one with `--enforce-eager` (the same eager steps, no compile), in alternating
+order, and reports compiling / eager output tokens/s and how many graphs were written during the loads;
+then how long the compile takes on an idle server. """
 
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -294,11 +304,12 @@ class Server:
     """A server process for one side of the comparison, ready when `ready_path` answers 200, stopped with
     SIGTERM (SIGKILL after 30 s)."""
 
-    def __init__(self, label: str, command: list[str], port: int, log: Path, ready_path: str) -> None:
+    def __init__(self, label: str, command: list[str], port: int, log: Path, ready_path: str,
+                 env: dict[str, str] | None = None) -> None:
         self.label, self.port, self.ready_path = label, port, ready_path
         self.base_url = f"http://127.0.0.1:{port}"
         self._log = log.open("w")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -337,11 +348,13 @@ class Server:
         self._log.close()
 
 
-def gracelm_server(gguf: Path, log: Path) -> Server:
+def gracelm_server(gguf: Path, log: Path, options: list[str] = (), env: dict[str, str] | None = None
+                   ) -> Server:
+    """`options`: more of `gracelm serve`'s (`--gracelm-args`); `env`: the server's whole environment."""
     port = free_port()
     command = [str(Path(sys.executable).parent / "gracelm"), "serve", str(gguf), "--port", str(port),
-               "--stats-interval", "0"]
-    return Server("gracelm", command, port, log, "/ready")
+               "--stats-interval", "0", *options]
+    return Server("gracelm", command, port, log, "/ready", env)
 
 
 def llama_server(binary: Path, gguf: Path, log: Path, threads: int) -> Server:
@@ -441,7 +454,8 @@ def compare(args: argparse.Namespace) -> dict:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="gracelm-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"server logs in {log_dir}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
-    starters = {"gracelm": lambda log: gracelm_server(gguf, log),
+    options = shlex.split(args.gracelm_args)
+    starters = {"gracelm": lambda log: gracelm_server(gguf, log, options),
                 "llama-server": lambda log: llama_server(Path(args.llama_server), gguf, log, args.threads)}
     if args.llama_cpp_python:
         starters["llama-cpp-python"] = lambda log: llama_cpp_python_server(gguf, log, args.threads)
@@ -466,6 +480,64 @@ def compare(args: argparse.Namespace) -> dict:
     for peer, rows in ratios.items():
         print_ratios(peer, rows)
     return {**results, "ratios": ratios}
+
+
+def compile_cost(args: argparse.Namespace) -> dict:
+    """What the background compile of a first start costs the requests served beside it: each repeat runs
+    the level once on a server compiling its decode graphs (an empty graph cache, the converted weights
+    shared) and once on one with `--enforce-eager` (no compile, the same eager steps), in alternating
+    order; the ratio of their output tokens/s. Then how long the compile takes with no load."""
+    gguf = Path(args.gguf) if args.gguf else default_gguf()
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="gracelm-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    load = Load(args.concurrency, args.num_prompts, args.max_tokens, args.seed, endpoint="completions",
+                ignore_eos=True)
+    rows: dict[str, list[dict]] = {"compiling": [], "eager": []}
+    for repeat in range(args.repeats):
+        for label in (["compiling", "eager"] if repeat % 2 == 0 else ["eager", "compiling"]):
+            options = ["--enforce-eager"] if label == "eager" else []
+            log = log_dir / f"{label}-{repeat}.log"
+            server = gracelm_server(gguf, log, options, _cold_graphs_env(log_dir))
+            try:
+                server.wait_ready()
+                measured = uvloop.run(bench(server.base_url, None, load))
+                text = Path(server._log.name).read_text()
+                written = text.count("decode graph written")
+            finally:
+                server.stop()
+            rows[label] += [{**row, "repeat": repeat, "graphs_written_meanwhile": written}
+                            for row in measured]
+            print_table(f"gracelm {label}, repeat {repeat + 1} of {args.repeats}", measured)
+    ratios = [{"concurrency": c, "tok_s_ratio": statistics.median(
+        a["output_tokens_per_s"] / b["output_tokens_per_s"]
+        for a in rows["compiling"] for b in rows["eager"]
+        if a["concurrency"] == b["concurrency"] == c and a["repeat"] == b["repeat"])}
+        for c in args.concurrency]
+    idle = gracelm_server(gguf, log_dir / "idle.log", [], _cold_graphs_env(log_dir))
+    try:
+        idle.wait_ready()
+        started = time.monotonic()
+        idle.wait_compiled()
+        idle_compile_s = time.monotonic() - started
+    finally:
+        idle.stop()
+    print("\ncompiling / eager output tok/s (median of the repeats): "
+          + ", ".join(f"c={r['concurrency']} {r['tok_s_ratio']:.3f}" for r in ratios))
+    written = [r["graphs_written_meanwhile"] for r in rows["compiling"]]
+    print(f"graphs written during the loaded runs: {written}; the compile on an idle server: "
+          f"{idle_compile_s:.0f} s")
+    return {**rows, "ratios": ratios, "idle_compile_s": idle_compile_s}
+
+
+def _cold_graphs_env(log_dir: Path) -> dict[str, str]:
+    """An environment whose gracelm cache has no graphs (nor inductor's cache) but shares the converted
+    weights, tokenizers and file hashes of the usual cache (`GRACELM_CACHE_DIR`, else ~/.cache/gracelm)."""
+    usual = Path(os.environ.get("GRACELM_CACHE_DIR") or Path.home() / ".cache/gracelm")
+    cache = Path(tempfile.mkdtemp(prefix="cache-", dir=log_dir))
+    for name in ("weights", "tokenizers", "file-hashes.json"):
+        if (usual / name).exists():
+            (cache / name).symlink_to(usual / name)
+    return {**os.environ, "GRACELM_CACHE_DIR": str(cache)}
 
 
 RATIO_METRICS = ["output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms"]
@@ -518,7 +590,14 @@ def main() -> int:
     cmp.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     cmp.add_argument("--repeats", type=int, default=2, help="runs of every server, the order swapped each")
     cmp.add_argument("--log-dir", default=None, help="server logs (default: a new temporary directory)")
-    for sub in (run, cmp):
+    cmp.add_argument("--gracelm-args", default="",
+                     help="more options of gracelm serve, one string (e.g. \"--mask-cpu-features amx\")")
+    cost = commands.add_parser("compile-cost", help="gracelm serving while its first start compiles, "
+                                                    "against --enforce-eager")
+    cost.add_argument("--gguf", default=None, help="default: gracelm's default model")
+    cost.add_argument("--repeats", type=int, default=2, help="runs of each, the order swapped each")
+    cost.add_argument("--log-dir", default=None, help="server logs (default: a new temporary directory)")
+    for sub in (run, cmp, cost):
         sub.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
         sub.add_argument("--num-prompts", type=int, default=16,
                          help="requests per concurrency level (at least the concurrency)")
@@ -547,7 +626,7 @@ def main() -> int:
     else:
         if args.repeats < 1:
             parser.error("--repeats: at least 1")
-        results = compare(args)
+        results = compare(args) if args.command == "compare" else compile_cost(args)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
