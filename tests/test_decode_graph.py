@@ -272,17 +272,32 @@ def test_a_server_compiles_in_the_background_then_serves_compiled_and_the_next_s
         assert [greedy(again, p) for p in ("the cat", "a river of light")] == before
 
 
-def test_a_stop_during_the_compile_leaves_nothing(gguf: Path, tmp_path: Path) -> None:
+def test_a_stop_during_the_compile_leaves_nothing_and_keeps_each_graph_written(gguf: Path,
+                                                                              tmp_path: Path) -> None:
+    """A stop kills the compiler: nothing half written is left, the graph written before it is kept, and
+    the next start compiles only the other one."""
     env = {"GRACELM_CACHE_DIR": str(tmp_path / "cache")}
-    server = ServerProcess(gguf, "--num-threads", "1", env=env)
+    packages = tmp_path / "cache" / "graphs"
+    server = ServerProcess(gguf, "--num-threads", "1", env=env)  # stopped at once
+    stop_during_the_compile(server)
+    assert not list(packages.glob("*.pt2")) and not list(packages.glob(".*"))  # nothing half written
+    server = ServerProcess(gguf, "--num-threads", "1", env=env)  # stopped once one graph is written
+    wait_for_log(server, "decode graph written to", 1, COMPILE_TIMEOUT_S)
+    stop_during_the_compile(server)
+    assert len(list(packages.glob("*.pt2"))) == 1 and not list(packages.glob(".*"))
+    with ServerProcess(gguf, "--num-threads", "1", env=env) as again:
+        assert re.search(r"decode graph loaded from .*: decode steps of 1 to 1 sequences", again.log())
+        assert "compiling in the background (pid" in again.log() and "1 graph(s)" in again.log()
+
+
+def stop_during_the_compile(server: ServerProcess) -> None:
+    """SIGTERM while the compiler runs: a clean stop that leaves nothing, the compiler included."""
     try:
-        pids = compiler_pids(server)
-        assert pids, server.log()
+        assert compiler_pids(server), server.log()
         server.process.send_signal(signal.SIGTERM)
         assert server.wait_exit() == 0, server.log()[-5000:]
         server.assert_nothing_left()
         assert not compiler_pids(server)
-        assert not list((tmp_path / "cache" / "graphs").glob("*.pt2"))  # nothing half written
     finally:
         if server.process.poll() is None:
             server.kill()

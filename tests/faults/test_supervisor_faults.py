@@ -14,10 +14,14 @@ from tests.server_process import temp_entries
 def test_kill_9_of_the_supervisor_takes_every_child_and_the_next_start_reclaims(model):
     temp_before = set(temp_entries())
     server = serve(model)
-    server.capture()
-    (runtime_dir,) = server.runtime_dirs
-    # The core's temporary files (a compiled graph torch unpacks, say) are the runtime directory's.
-    (runtime_dir / "tmp" / "aotinductor_unpacking").mkdir()  # as if killed while a package unpacks
+    try:
+        server.capture()
+        (runtime_dir,) = server.runtime_dirs
+        # The core's temporary files (a compiled graph torch unpacks, say) are the runtime directory's.
+        (runtime_dir / "tmp" / "aotinductor_unpacking").mkdir()  # as if killed while a package unpacks
+    except BaseException:
+        server.kill()  # nothing of it outlives the test
+        raise
     killed = time.monotonic()
     server.process.kill()
     server.wait_exit(5)
