@@ -1,11 +1,12 @@
 """The CPU features that choose gracelm's kernel paths, less those the operator masks (`--mask-cpu-features`).
 
-Which kernels serve a step depends on the CPU: AVX-512 VNNI for the file's blocks (`model/block_linear.py`), AMX for
-their tile kernel, AVX-512 BF16 for native bfloat16 (`--dtype auto`) and the decode attention's bfloat16 dot
-products, AVX-512 or AVX2 for the vector width of the attention kernel, torch's int4 kernel and the compiled
-graphs. Masking a feature makes every one of those choices as on a CPU without it, so that one host can run
-(and test) the paths of the others: a Sapphire Rapids those of a Zen 4 (`amx`), of a CPU without VNNI
-(`avx512_vnni`), or of an AVX2-only Zen 3 (`avx512`). A feature masked masks those built on it (`_BUILT_ON`).
+Which kernels serve a step depends on the CPU: AVX-512 VNNI for the file's blocks
+(`model/block_linear.py`), AMX for their tile kernel, AVX-512 BF16 for native bfloat16 (`--dtype auto`) and
+the decode attention's bfloat16 dot products, AVX-512 or AVX2 for the vector width of the attention kernel,
+torch's int4 kernel and the compiled graphs. Masking a feature makes every one of those choices as on a CPU
+without it, so that one host can run (and test) the paths of the others: a Sapphire Rapids those of a Zen 4
+(`amx`), of a CPU without VNNI (`avx512_vnni`), or of an AVX2-only Zen 3 (`avx512`). A feature masked masks
+those built on it (`_BUILT_ON`).
 
 Two halves. gracelm's own choices read `active()` in the process that computes (the engine core, a worker,
 the graph compiler), after `mask()`. torch's own kernels (oneDNN's matmuls, ATen's vector code, inductor's
