@@ -8,6 +8,8 @@ the same KV bytes), and a snapshot of another model, dtype or format, or a damag
 from __future__ import annotations
 
 import json
+import logging
+import os
 import random
 import time
 import zlib
@@ -114,6 +116,14 @@ def test_snapshot_round_trip_and_damage(tmp_path):
     data[20] ^= 0xFF  # in the header
     saved.path.write_bytes(bytes(data))
     assert list(snap.read_snapshot(tmp_path, FP, 64, 100)) == []
+
+
+def test_a_fifo_at_the_snapshot_path_is_skipped_at_once(tmp_path, caplog):
+    """Opened for reading, a FIFO blocks until a writer comes: a start would hang there for ever."""
+    os.mkfifo(snap.snapshot_path(tmp_path, FP))
+    with caplog.at_level(logging.WARNING, logger=snap.__name__):
+        assert list(snap.read_snapshot(tmp_path, FP, 64, 100)) == []
+    assert "skipped: not a regular file" in caplog.text
 
 
 def test_a_torn_write_leaves_the_previous_snapshot(tmp_path):

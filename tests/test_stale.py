@@ -51,8 +51,14 @@ def test_owner_pid_follows_the_runtime_dir_naming(tmp_path):
     assert owner_pid("gracelm-x-1") is None and owner_pid("pymp-abc") is None
 
 
+def abandoned(directory: RuntimeDir) -> Path:
+    """The directory as its owner's death leaves it: its lock released by the kernel, the files there."""
+    os.close(directory._lock)
+    return directory.path
+
+
 def test_dead_owners_are_reclaimed_and_live_ones_untouched(tmp_path, dead_pid, live_pid, segments, caplog):
-    stale_dir = RuntimeDir(owner_pid=dead_pid, base=tmp_path).path
+    stale_dir = abandoned(RuntimeDir(owner_pid=dead_pid, base=tmp_path))
     (stale_dir / "input.sock").touch()
     live_dir = RuntimeDir(owner_pid=live_pid, base=tmp_path).path
     own_dir = RuntimeDir(base=tmp_path).path
@@ -66,18 +72,39 @@ def test_dead_owners_are_reclaimed_and_live_ones_untouched(tmp_path, dead_pid, l
     assert set(mine) == {stale_dir, stale_segment}
     assert not stale_dir.exists() and not stale_segment.exists()
     assert live_dir.exists() and own_dir.exists() and live_segment.exists() and not_ours.exists()
-    assert str(mine[stale_dir]) == f"reclaimed stale runtime dir {stale_dir} (owner pid {dead_pid} is dead)"
+    assert str(mine[stale_dir]) == (f"reclaimed stale runtime dir {stale_dir} (owner pid {dead_pid} is dead: "
+                                    "its lock is free)")
     assert f"reclaimed stale shared-memory segment {stale_segment}" in caplog.text
 
 
 def test_a_reused_pid_does_not_keep_a_stale_dir(tmp_path, live_pid):
-    # The live process started after the directory last changed: it cannot be the one that made it.
-    directory = RuntimeDir(owner_pid=live_pid, base=tmp_path).path
-    an_hour_ago = time.time() - 3600
-    os.utime(directory, (an_hour_ago, an_hour_ago))
+    """The lock, not the pid, says who is alive: a live process with the dead owner's pid changes nothing."""
+    directory = abandoned(RuntimeDir(owner_pid=live_pid, base=tmp_path))
     (entry,) = reclaim_stale(bases=[tmp_path], shm_dir=tmp_path / "no-shm")
-    assert entry.path == directory and "started later" in entry.why
+    assert entry.path == directory and "its lock is free" in entry.why
     assert not directory.exists()
+
+
+def test_a_live_owners_dir_is_kept_whatever_its_times_say(tmp_path, dead_pid):
+    """Times can be moved (the reclaim once took a live server's directory whose mtime was set back), pids
+    reused: only the lock its owner holds counts, here for a pid that no process has."""
+    directory = RuntimeDir(owner_pid=dead_pid, base=tmp_path)
+    long_ago = time.time() - 3600
+    os.utime(directory.path, (long_ago, long_ago))
+    assert reclaim_stale(bases=[tmp_path], shm_dir=tmp_path / "no-shm") == []
+    assert directory.path.exists()
+    directory.remove()
+
+
+def test_a_dir_without_its_lock_is_judged_by_its_pid(tmp_path, dead_pid, live_pid):
+    """An older version's directory, or one caught between its mkdir and its lock."""
+    dead = tmp_path / f"gracelm-{dead_pid}-old"
+    live = tmp_path / f"gracelm-{live_pid}-old"
+    dead.mkdir()
+    live.mkdir()
+    (entry,) = reclaim_stale(bases=[tmp_path], shm_dir=tmp_path / "no-shm")
+    assert entry.path == dead and entry.why == f"owner pid {dead_pid} is dead"
+    assert live.exists()
 
 
 def test_a_file_is_not_taken_for_a_runtime_dir(tmp_path, dead_pid):

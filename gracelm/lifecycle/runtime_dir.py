@@ -2,11 +2,14 @@
 engine core's temporary files.
 
 It is named after the owner's pid — `gracelm-<pid>-<random>` under `$XDG_RUNTIME_DIR` (or the temp dir) —
-so that a directory left behind by a killed instance can be told apart from a live one's.
+and holds `owner.lock`, on which the owner keeps an exclusive `flock` for its whole life: the kernel drops
+the lock when the owner dies, however it dies, so a directory whose lock can be taken is a dead instance's
+(`stale.py`), whatever its pid or times say.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import secrets
@@ -17,6 +20,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 PREFIX = "gracelm-"
+LOCK_NAME = "owner.lock"
 # AF_UNIX paths are limited to 107 bytes; leave room for the socket names inside the directory.
 _MAX_BASE_LEN = 80
 
@@ -36,6 +40,8 @@ class RuntimeDir:
         name = f"{PREFIX}{self.owner_pid}-{secrets.token_hex(4)}"
         self.path = (base or runtime_base()) / name
         self.path.mkdir(mode=0o700)
+        self._lock = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it
         self._removed = False
 
     def temp_dir(self) -> Path:
@@ -55,6 +61,7 @@ class RuntimeDir:
             return
         self._removed = True
         shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock)  # after the removal: a directory still there stays this live instance's
         if self.path.exists():
             logger.warning("could not remove runtime directory %s", self.path)
 

@@ -3,32 +3,34 @@ runtime directories (`gracelm-<pid>-<random>`, see `runtime_dir.py`) and /dev/sh
 `gracelm-<pid>-...`, whose owner pid is dead. Left there, they pile up until tmpfs is full and the next
 start dies (a known SGLang failure).
 
-An owner is dead when no process has its pid, when that process is a zombie, or when it started after the
-entry last changed: the owner made the entry, so it was running before it, and a younger process with the
-same pid is a reuse of the number. Entries of other users are left alone.
+A runtime directory's owner is dead when the directory's `owner.lock` can be locked (`runtime_dir.py`: the
+owner holds it while it lives, and the kernel releases it at its death), whatever the pid or any time says:
+times can be moved, pids reused. A directory without the lock file (made by an older version, or caught
+between its mkdir and its lock) and a segment are a dead owner's when no process has the owner pid, or it is
+a zombie. Entries of other users are left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import psutil
 
-from gracelm.lifecycle.runtime_dir import PREFIX, runtime_base
+from gracelm.lifecycle.runtime_dir import LOCK_NAME, PREFIX, runtime_base
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-")
-# Process start times are computed from boot time and clock ticks; file times are exact. Allow for that.
-_CLOCK_SLACK_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,37 +74,56 @@ def _reclaim_in(directory: Path, what: str, want_dir: bool) -> list[Reclaimed]:
         return []
     for entry in entries:
         pid = owner_pid(entry.name)
-        if pid is None or entry.is_dir(follow_symlinks=False) != want_dir:
+        if pid is None or pid == os.getpid() or entry.is_dir(follow_symlinks=False) != want_dir:
             continue
         try:
-            stat = entry.stat(follow_symlinks=False)
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
         except FileNotFoundError:
             continue  # removed meanwhile, by its owner or by another start
-        if stat.st_uid != os.getuid():
-            continue
-        why = _why_dead(pid, stat.st_mtime)
-        if why is not None and _remove(Path(entry.path), want_dir):
-            reclaimed.append(Reclaimed(Path(entry.path), pid, what, why))
+        path = Path(entry.path)
+        with _dead_owner(path, pid, want_dir) as why:
+            if why is not None and _remove(path, want_dir):
+                reclaimed.append(Reclaimed(path, pid, what, why))
     return reclaimed
 
 
-def _why_dead(pid: int, changed_at: float) -> str | None:
-    """Why the owner `pid` of an entry last changed at `changed_at` is dead, or None if it may be alive."""
-    if pid == os.getpid():
-        return None
+@contextlib.contextmanager
+def _dead_owner(path: Path, pid: int, is_dir: bool) -> Iterator[str | None]:
+    """Why the owner of the entry `path` is dead, or None if it may be alive. A runtime directory's lock,
+    once taken, is held until the block ends: a second start reclaiming at the same moment finds it held
+    and leaves the directory to this one."""
     try:
-        process = psutil.Process(pid)
-        started = process.create_time()
-        zombie = process.status() == psutil.STATUS_ZOMBIE
+        fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW) if is_dir else None
+    except FileNotFoundError:
+        fd = None
+    except OSError:
+        yield None  # a lock file we may not open: not ours to judge
+        return
+    if fd is None:
+        yield _pid_dead(pid)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        yield None
+        return
+    try:
+        yield f"owner pid {pid} is dead: its lock is free"
+    finally:
+        os.close(fd)
+
+
+def _pid_dead(pid: int) -> str | None:
+    """Why no live process has the owner pid `pid`, or None."""
+    try:
+        zombie = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return f"owner pid {pid} is dead"
     except psutil.AccessDenied:
         return None
-    if zombie:
-        return f"owner pid {pid} is a zombie"
-    if started > changed_at + _CLOCK_SLACK_S:
-        return f"owner pid {pid} is dead; the pid now belongs to a process started later"
-    return None
+    return f"owner pid {pid} is a zombie" if zombie else None
 
 
 def _remove(path: Path, is_dir: bool) -> bool:

@@ -31,12 +31,13 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from gracelm.cache_dir import mtime
 
@@ -165,10 +166,8 @@ def read_snapshot(directory: Path, fp: dict[str, Any], block_bytes: int,
     `max_blocks`; nothing, with a log line, when the file is missing, torn or not this fingerprint's."""
     path = snapshot_path(directory, fp)
     remove_dead_temporaries(directory)
-    try:
-        file = path.open("rb")
-    except FileNotFoundError:
-        logger.info("kv snapshot: none for this model and layout in %s", directory)
+    file = _open_regular(path)
+    if file is None:
         return
     with file:
         count = _verified_count(file, path, fp, block_bytes)
@@ -182,6 +181,22 @@ def read_snapshot(directory: Path, fp: dict[str, Any], block_bytes: int,
                 logger.warning("kv snapshot %s: block %d fails its checksum; skipped", path.name, index)
                 continue
             yield block_hash, data
+
+
+def _open_regular(path: Path) -> BinaryIO | None:
+    """The snapshot at `path` open for reading, or None (logged) where there is none or it is no regular
+    file: opened without blocking, since a FIFO put there would hang the start on its open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        logger.info("kv snapshot: none for this model and layout in %s", path.parent)
+        return None
+    except OSError as e:
+        return _skip(path, f"cannot be opened ({e})")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return _skip(path, "not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def _verified_count(file, path: Path, fp: dict[str, Any], block_bytes: int) -> int | None:
