@@ -60,7 +60,7 @@ def port_is_free(port: int) -> bool:
 class ServerProcess:
     """`with ServerProcess(model, "--api-key", "k") as server:` … `server.url`; `stop()` does the checks."""
 
-    def __init__(self, model: str | Path | None, *args: str, env: dict[str, str] | None = None,
+    def __init__(self, model: str | Path | None, *args: str, env: dict[str, str | None] | None = None,
                  startup_timeout: float = 180.0, wait_ready: bool = True,
                  prefix: tuple[str, ...] = ()) -> None:
         self.port = free_port()
@@ -70,8 +70,10 @@ class ServerProcess:
         # `prefix`: a command that execs the server (same pid), e.g. one that drops capabilities.
         command = [*prefix, str(GRACELM), "serve", *([str(model)] if model is not None else []),
                    "--port", str(self.port), *args]
+        environment = {**os.environ, **(env or {})}  # a value of None: unset
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})}, start_new_session=True)
+                                        env={k: v for k, v in environment.items() if v is not None},
+                                        start_new_session=True)
         self.children: list[psutil.Process] = []
         self.runtime_dirs: list[Path] = []
         self.exit_code: int | None = None

@@ -31,11 +31,15 @@ def test_the_journal_is_sqlite_in_wal_mode_with_full_sync(journal):
 def test_one_process_holds_a_directory(journal, tmp_path):
     with pytest.raises(JournalError, match="another process holds the batch journal"):
         Journal(journal.directory)
-    # A server started on a held directory fails at once, before loading a model, naming the lock.
+    # A server started on a held directory fails at once, before loading a model, naming the lock, and
+    # leaves the holder's records alone (its last stop's report, shown on its status page).
+    record = journal.directory / "last-shutdown.json"
+    record.write_text('{"the holder": "its own record"}')
     held = subprocess.run([str(GRACELM), "serve", "--port", "0", "--state-dir", str(journal.directory)],
                           capture_output=True, text=True, timeout=120)
     assert held.returncode == ExitCode.STARTUP_FAILURE, held.stderr
     assert "another process holds the batch journal" in held.stderr
+    assert record.read_text() == '{"the holder": "its own record"}'
 
 
 def test_a_files_bytes_are_checked_against_their_checksum(journal):

@@ -7,6 +7,7 @@ error; and the rule that puts MODEL after a repeatable option's values."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -48,7 +49,7 @@ def server(model_dir, tmp_path_factory):
                        "--chat-template", str(template), "--max-logprobs", "3",
                        "--max-model-len", str(CONTEXT), "--no-enable-prefix-caching",
                        "--disable-log-requests", "--uvicorn-log-level", "warning",
-                       env={"GRACELM_API_KEY": ""}) as server:
+                       env={"GRACELM_API_KEY": None}) as server:
         yield server  # stopped at exit: exit code 0, nothing left behind
 
 
@@ -168,6 +169,14 @@ def test_a_usage_error_prints_the_subcommands_usage(args, usage):
 def test_a_bad_value_is_a_usage_error_naming_it(args, problem):
     result = _usage_error(*args)
     assert result.returncode == 2 and problem in result.stderr, result.stderr
+
+
+def test_an_empty_key_in_the_environment_is_refused_as_an_empty_option_is():
+    """`GRACELM_API_KEY=""` once turned authentication off without a word, where `--api-key ""` is refused."""
+    result = subprocess.run([str(GRACELM), "serve", "--port", "0"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "GRACELM_API_KEY": ""})
+    assert result.returncode == 2, result.stderr
+    assert "GRACELM_API_KEY is set but empty" in result.stderr
 
 
 @pytest.mark.parametrize("argv, model, keys", [

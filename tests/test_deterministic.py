@@ -256,7 +256,7 @@ def test_a_deterministic_server_answers_a_batch_as_it_answers_each_prompt():
     prompts = _mixed_prompts(8)
     with ServerProcess(tiny_model("llama"), "--deterministic", "--dtype", "bfloat16", "--served-model-name",
                        "tiny", "--max-num-batched-tokens", "24", "--max-model-len", "256",
-                       "--num-threads", "1", env={"GRACELM_API_KEY": ""}) as server:
+                       "--num-threads", "1", env={"GRACELM_API_KEY": None}) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         fields = {"model": "tiny", "max_tokens": 8, "temperature": 0.8, "seed": 3, "logprobs": 2,
                   "extra_body": {"ignore_eos": True}}

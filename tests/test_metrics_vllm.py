@@ -6,6 +6,7 @@ requests and HTTP access are logged by default."""
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,7 +26,7 @@ LONG_PROMPT = [7] * 40  # two full KV blocks: the second request finds them cach
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess(tiny_model("llama"), "--metrics-names", "vllm", "--served-model-name", NAME,
-                       "--block-size", str(BLOCK_SIZE), env={"GRACELM_API_KEY": ""}) as server:
+                       "--block-size", str(BLOCK_SIZE), env={"GRACELM_API_KEY": None}) as server:
         yield server  # stopped at exit: exit code 0, nothing left behind
 
 
@@ -122,12 +123,27 @@ def test_requests_and_access_are_logged_by_default(server, answers):
     assert '"POST /v1/completions HTTP/1.1" 200' in log
 
 
+def test_the_request_log_never_holds_a_constraints_or_stop_strings_text(server):
+    """A structured-output constraint was logged in full (a 41 KB line for a large schema): its kind, size
+    and hash only, as for stop strings and bad words."""
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(300)}}
+    body = {"model": NAME, "prompt": "a", "max_tokens": 2, "stop": ["secret-stop"],
+            "bad_words": ["secret-word"], "structured_outputs": {"json": schema}}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    line = next(line for line in server.log().splitlines()
+                if answer.json()["id"] in line and "prompt tokens" in line)
+    assert "field_1" not in line and "secret" not in line and len(line) < 600, line
+    assert re.search(r"structured_outputs=\{json: <\d+ chars, sha256 [0-9a-f]{12}>\}", line), line
+    assert "stop=<1 items>" in line and "bad_words=<1 items>" in line
+
+
 def test_preemptions_are_counted():
     """Three 40-token prompts growing to 60 tokens on a cache of 6 blocks of 16: they cannot all run at
     once, so some are preempted, and every one still finishes."""
     with ServerProcess(tiny_model("llama"), "--metrics-names", "vllm", "--served-model-name", NAME,
                        "--max-model-len", "64", "--kv-cache-memory", "48KiB",
-                       env={"GRACELM_API_KEY": ""}) as server:
+                       env={"GRACELM_API_KEY": None}) as server:
         assert "6 KV blocks of 16 tokens" in server.log()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 

@@ -156,8 +156,11 @@ def test_the_page_and_its_json_need_the_key(server):
     # Self-contained: nothing loaded from elsewhere, and the browser is told so.
     assert "default-src 'none'" in page.headers["content-security-policy"]
     assert not re.search(r'(src|href)="(https?:)?//', page.text)
-    # The access log names the page, never the key.
+    # The access log names the page, never the key, however the parameter's name is encoded.
     wait_for(lambda: "GET /status?key=<redacted>" in server.log(), what="the page's access-log line")
+    encoded = httpx.get(f"{server.url}/status?k%65y={urllib.parse.quote(KEY)}&x=1")
+    assert encoded.status_code == 200  # the same parameter to the route
+    wait_for(lambda: "GET /status?k%65y=<redacted>&x=1" in server.log(), what="the encoded key's line")
     log = server.log()
     assert urllib.parse.quote(KEY) not in log and KEY not in log
 

@@ -92,3 +92,22 @@ def test_request_id_header_and_body_field(server):
     refused = _post(server, "/v1/completions", {**body, "n": 0}, headers={"X-Request-Id": "bad-1"})
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
     assert httpx.get(f"{server.url}/health", timeout=30).headers["x-request-id"]
+
+
+@pytest.mark.parametrize(("where", "value"), [
+    ("request_id", "ok\n2026-12-05 00:00:00,000 INFO gracelm.server: forged"),  # a forged log line
+    ("request_id", "tab\there"), ("request_id", "é"), ("request_id", "x" * 257),
+    ("X-Request-Id", "x" * 257), ("X-Request-Id", "bell\x07"),
+])
+def test_a_request_id_that_cannot_go_into_a_log_line_or_a_header_is_a_400(server, where, value):
+    """Once such an id forged a line of the log, then broke the answer's header: the client got nothing."""
+    body = {"model": MODEL, "prompt": TEXT, "max_tokens": 2}
+    if where == "request_id":
+        answer = _post(server, "/v1/completions", {**body, "request_id": value})
+    else:
+        answer = _post(server, "/v1/completions", body, headers={"X-Request-Id": value.encode("latin-1")})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == where and "printable ASCII" in error["message"]
+    assert "forged" not in server.log()
+    assert _post(server, "/v1/completions", body).status_code == 200  # and it serves on

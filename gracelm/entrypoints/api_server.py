@@ -102,6 +102,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
     host, port = sock.getsockname()[:2]
     ledger.acquire(ResourceKind.SOCKET, f"listener {host}:{port}", sock.close)
     http_stack = _import_http_stack()
+    journal = None  # held, the state directory is this server's to write into
     try:
         with signals.abandoning_startup(), notifier.loading(config.model or "the default model"):
             _record_resource_tracker(ledger)
@@ -115,17 +116,18 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             import uvicorn
 
             from gracelm.entrypoints.app import build_app
-            from gracelm.entrypoints.header_timeout import header_timeout_protocol
+            from gracelm.entrypoints.connection_limits import connection_cap, limited_protocol
             from gracelm.entrypoints.http_server import HttpServer
             from gracelm.entrypoints.metrics import ServerMetrics
             from gracelm.entrypoints.metrics_files import reserve_metric_files
             startup_timeline.mark("http_import")
     except StartupInterrupted as interrupt:
         logger.info("start-up abandoned: %s received while the engine was starting", interrupt.signal.name)
-        return _stopped(ledger.release_all(), ExitCode.CLEAN_STOP, config, settings, state)
+        return _stopped(ledger.release_all(), ExitCode.CLEAN_STOP, config, _held(settings, journal), state)
     except Exception as exc:
         logger.error("start-up failed: %s", exc)
-        return _stopped(ledger.release_all(), ExitCode.STARTUP_FAILURE, config, settings, state)
+        return _stopped(ledger.release_all(), ExitCode.STARTUP_FAILURE, config, _held(settings, journal),
+                        state)
     supervisor.engine = engine
     # A metrics file that finds its filesystem full while serving is a clean fatal stop naming it.
     loop = asyncio.get_running_loop()
@@ -138,12 +140,14 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
                                     max_model_len=engine.config.max_model_len)
         except OSError as exc:  # no room for its first files
             logger.error("start-up failed: %s", exc)
-            return _stopped(engine.shutdown(timeout=0), ExitCode.STARTUP_FAILURE, config, settings, state)
+            return _stopped(engine.shutdown(timeout=0), ExitCode.STARTUP_FAILURE, config, settings.state_dir,
+                            state)
         ledger.acquire(ResourceKind.DIRECTORY, f"prometheus dir {metrics.directory}", metrics.close)
         app = build_app(engine, settings, state, metrics, ledger, served, journal)
+        http = limited_protocol(settings.header_timeout, settings.body_timeout)
         server = HttpServer(uvicorn.Config(app, log_config=None, log_level=settings.uvicorn_log_level,
-                                           timeout_graceful_shutdown=5,
-                                           http=header_timeout_protocol(settings.header_timeout)))
+                                           timeout_graceful_shutdown=5, http=http,
+                                           limit_concurrency=connection_cap()))
         supervisor.server = server
         _start_notifier(notifier, server, state, engine, ledger)
         logger.info("serving %s on http://%s:%d", engine.model_name, host, port)
@@ -158,12 +162,19 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
     return code
 
 
-def _stopped(report: ShutdownReport, code: ExitCode, config: EngineConfig, settings: ServerConfig,
+def _stopped(report: ShutdownReport, code: ExitCode, config: EngineConfig, state_dir: str | None,
              state: ServerState) -> ExitCode:
-    """A start-up that ended early: its report published and kept, like a stop's."""
+    """A start-up that ended early: its report published, and kept in `state_dir` (where this server held
+    it) like a stop's."""
     report.publish(config.shutdown_report)
-    save_last_shutdown(settings.state_dir, report, code, state.entered)
+    save_last_shutdown(state_dir, report, code, state.entered)
     return code
+
+
+def _held(settings: ServerConfig, journal: Journal | None) -> str | None:
+    """The state directory where this server holds it (its journal open): a start refused because another
+    server holds it must not write the other's records."""
+    return settings.state_dir if journal is not None else None
 
 
 def _start_notifier(notifier: ServiceNotifier, server, state: ServerState, engine: AsyncEngine,

@@ -74,7 +74,7 @@ class BatchLineClient:
         self._line_id = line_id
 
     def request_id(self, body_id: str | None, prefix: str) -> str:
-        return f"{prefix}-{body_id or self._line_id}"
+        return f"{prefix}-{request_ids.checked(body_id, 'request_id') if body_id else self._line_id}"
 
     def admit(self, state: ServerState) -> HeldAdmission:
         return _RunnersAdmission()

@@ -52,8 +52,19 @@ class ServerConfig:
     max_stop_strings: int = option(64, "answer 400 to a request with more stop strings", check=at_least(0))
     max_stop_chars: int = option(4096, "answer 400 to a request whose stop strings are longer than this in "
                                        "all", check=at_least(0))
+    allowed_hosts: list[str] = option([], "the Host names the server answers to, against DNS rebinding "
+                                          "(* any; default: localhost, 127.0.0.1 and [::1] when bound to a "
+                                          "loopback address, else any)")
+    allowed_origins: list[str] = option([], "web origins (https://app.example) whose pages may call the "
+                                            "API from a browser, with CORS answers (default: none; vLLM's "
+                                            "is any)")
+    trust_request_chat_template: bool = option(False, "accept a request's own chat_template (vLLM's flag), "
+                                                      "rendered within a budget of time and size; refused "
+                                                      "by default")
     header_timeout: float = option(10.0, "seconds a client may take to send a request's headers; the "
                                          "connection is closed after that", check=at_least(0.001))
+    body_timeout: float = option(60.0, "seconds a request's body may pause (no byte of it comes); the "
+                                       "connection is closed after that", check=at_least(0.001))
     stats_interval: float = option(10.0, "seconds between stats log lines (0: none)", check=at_least(0))
     drain_grace_period: float = option(0.0, "seconds to keep accepting new requests after readiness turns "
                                             "503 at a stop", check=at_least(0))
@@ -70,7 +81,12 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
-        """Raises `ValueError` on invalid values; the API key may come from the environment."""
-        env_key = os.environ.get(API_KEY_ENV)
-        api_key = getattr(args, "api_key", None) or ([env_key] if env_key else [])
+        """Raises `ValueError` on invalid values; the API key may come from the environment, where a variable
+        set but empty is refused as `--api-key ""` is (it would turn authentication off unnoticed)."""
+        api_key = getattr(args, "api_key", None)
+        if not api_key:
+            env_key = os.environ.get(API_KEY_ENV)
+            if env_key == "":
+                raise ValueError(f"{API_KEY_ENV} is set but empty: give it a key, or unset it (no key)")
+            api_key = [env_key] if env_key is not None else []
         return options.from_args(cls, args, api_key=api_key)

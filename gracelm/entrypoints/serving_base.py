@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import uuid
@@ -260,13 +261,26 @@ class _AdmittedStream(StreamingResponse):
 
 
 def _params_summary(params: SamplingParams) -> str:
-    """The sampling fields a request set (those unlike the defaults), for the request log line; never the
-    prompt's or stop strings' text."""
+    """The sampling fields a request set (those unlike the defaults), for the request log line: numbers and
+    flags as they are; text (stop strings, bad words, a constraint's schema, regex or grammar) never, but
+    its size and a hash; collections by their size."""
     fields = msgspec.structs.asdict(params)
-    shown = {k: v for k, v in fields.items() if k != "stop" and v != getattr(_DEFAULT_PARAMS, k)}
-    if params.stop:
-        shown["stop"] = f"{len(params.stop)} strings"
+    shown = {k: _summary(v) for k, v in fields.items() if v != getattr(_DEFAULT_PARAMS, k)}
     return ", ".join(f"{k}={v}" for k, v in shown.items()) or "default sampling"
+
+
+def _summary(value: object) -> str:
+    """A request-supplied value as the log may show it: bounded, without its text, on one line."""
+    if value is None or isinstance(value, bool | int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return f"<{len(value)} chars, sha256 {hashlib.sha256(value.encode()).hexdigest()[:12]}>"
+    if isinstance(value, msgspec.Struct):  # structured outputs: which kind, and its text's summary
+        set_fields = {k: v for k, v in msgspec.structs.asdict(value).items() if v not in (None, False)}
+        return "{" + ", ".join(f"{k}: {_summary(v)}" for k, v in set_fields.items()) + "}"
+    if isinstance(value, list | tuple | dict):
+        return f"<{len(value)} items>"
+    return f"<{type(value).__name__}>"
 
 
 _DEFAULT_PARAMS = SamplingParams()

@@ -28,6 +28,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote_plus
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -48,9 +49,6 @@ MAX_LISTED_REQUESTS = 50
 STATS_WAIT_S = 2.0
 
 BatchProgress = Callable[[], Awaitable[list[dict[str, Any]]]]
-
-_KEY_IN_QUERY = re.compile(r"([?&]key=)[^&\s\"]*")
-
 
 def status_router(engine: AsyncEngine, settings: ServerConfig, state: ServerState, metrics: ServerMetrics,
                   model_name: str, batches: BatchProgress | None) -> APIRouter:
@@ -220,13 +218,23 @@ def _hashes(html: str, tag: str) -> str:
 
 
 class _RedactKey(logging.Filter):
-    """Hides the value of a `key` query parameter in uvicorn's access-log lines."""
+    """Hides the value of a `key` query parameter in uvicorn's access-log lines, however its name is
+    percent-encoded (`?k%65y=` is the same parameter to the route)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(_KEY_IN_QUERY.sub(r"\1<redacted>", arg) if isinstance(arg, str) else arg
-                                for arg in record.args)
+            record.args = tuple(_redacted(arg) if isinstance(arg, str) else arg for arg in record.args)
         return True
+
+
+def _redacted(path: str) -> str:
+    """`path` with the value of each query parameter named `key` (once decoded) replaced."""
+    base, question, query = path.partition("?")
+    if not question:
+        return path
+    pairs = [(pair.partition("=")[0], pair) for pair in query.split("&")]
+    return base + "?" + "&".join(f"{name}=<redacted>" if unquote_plus(name) == "key" else pair
+                                 for name, pair in pairs)
 
 
 def _redact_key_in_access_log() -> None:
