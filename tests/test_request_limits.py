@@ -1,11 +1,14 @@
 """Bounded request cost: stop strings beyond `--max-stop-strings` or `--max-stop-chars` are a 400 naming the
 option (chat and completions, plain and streaming); `/health` answers while the costliest request the
-limits allow runs; `--header-timeout` closes a connection whose request headers do not come in time."""
+limits allow runs; `--header-timeout` closes a connection whose request headers do not come in time, and
+`--body-timeout` one whose body stops coming; connections beyond the descriptor limit's room are closed as
+they come, and the server serves again once the timeouts have freed them."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -18,6 +21,7 @@ from tests.server_process import ServerProcess, metric_value
 from tests.tiny_models import tiny_model
 
 HEADER_TIMEOUT = 1.0
+BODY_TIMEOUT = 1.5
 USER = [{"role": "user", "content": "hello"}]
 
 
@@ -26,7 +30,8 @@ def server():
     # Default request limits; room for all 128 choices of the costliest request at once.
     with ServerProcess(tiny_model("llama"), "--kv-cache-memory", "32MiB", "--max-model-len", "512",
                        "--max-num-seqs", str(MAX_N), "--num-threads", "1", "--stats-interval", "0",
-                       "--header-timeout", str(HEADER_TIMEOUT)) as server:
+                       "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT)
+                       ) as server:
         yield server
 
 
@@ -125,7 +130,7 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(serv
 def test_headers_dribbled_byte_by_byte_are_cut_off(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         begun = time.monotonic()
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             while time.monotonic() - begun < HEADER_TIMEOUT + 10:
                 sock.sendall(b"X")  # a header that never ends: a byte now and then keeps nothing open
@@ -143,7 +148,7 @@ def test_headers_dribbled_byte_by_byte_are_cut_off(server):
 
 
 def test_a_kept_alive_connection_serves_whole_requests_and_cuts_off_a_slow_one(server):
-    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         for _ in range(2):
             time.sleep(HEADER_TIMEOUT * 0.6)  # together longer than the timeout: each request has its own
@@ -154,3 +159,51 @@ def test_a_kept_alive_connection_serves_whole_requests_and_cuts_off_a_slow_one(s
         elapsed = _closed_within(sock, 30)
     assert HEADER_TIMEOUT * 0.9 <= elapsed < HEADER_TIMEOUT + 10
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+BODY_HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n")
+
+
+def test_a_body_that_stops_coming_is_cut_off_after_the_body_timeout(server):
+    body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(BODY_HEAD % len(body) + body[:5])  # and the rest never comes
+        elapsed = _closed_within(sock, 30)
+    assert BODY_TIMEOUT * 0.9 <= elapsed < BODY_TIMEOUT + 10
+    assert "no byte of the request body for 1.5 s (--body-timeout)" in server.log()
+
+
+def test_a_body_that_comes_slowly_but_on_is_served(server):
+    """Each byte of the body re-arms the timeout: only a pause longer than it cuts the connection."""
+    body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(BODY_HEAD % len(body))
+        for part in (body[:10], body[10:20], body[20:]):
+            time.sleep(BODY_TIMEOUT * 0.6)  # together longer than the timeout
+            sock.sendall(part)
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_connections_beyond_the_descriptor_limit_are_closed_and_the_server_serves_on(tmp_path):
+    """Under a limit of 200 descriptors, 260 connections that send nothing: the server closes those beyond
+    its cap at once (logged), keeps its own files, and serves again once the header timeout has closed the
+    others."""
+    with ServerProcess(tiny_model("llama"), "--kv-cache-memory", "4MiB", "--num-threads", "1",
+                       "--stats-interval", "0", "--header-timeout", "3", prefix=("prlimit", "--nofile=200")
+                       ) as server:
+        assert re.search(r"at most \d+ connections at once \(RLIMIT_NOFILE 200\)", server.log())
+        held = []
+        try:
+            for _ in range(260):
+                held.append(socket.create_connection(("127.0.0.1", server.port)))
+            deadline = time.monotonic() + 30
+            while "above the cap of" not in server.log():
+                assert time.monotonic() < deadline, server.log()[-3000:]
+                time.sleep(0.1)
+            time.sleep(4)  # the header timeout closes the ones held
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        finally:
+            for sock in held:
+                sock.close()
+        assert "Too many open files" not in server.log()

@@ -40,6 +40,9 @@ Restart=on-failure
 RestartSec=5
 # 2: bad options, 3: start-up failure (port taken, model not loadable): a restart would repeat them.
 RestartPreventExitStatus=2 3
+# A descriptor per connection: the server caps its connections below this limit (systemd's default soft
+# limit is 1024).
+LimitNOFILE=65536
 # Where it writes: its runtime directory (ipc sockets, heartbeat, metrics files) and kept conversions.
 RuntimeDirectory={{ deploy.name }}
 RuntimeDirectoryMode=0700

@@ -60,7 +60,7 @@ async def _open(port: int, body: dict, until_first_event: bool) -> asyncio.Strea
     """Sends a request over a raw connection; returns once its first SSE event arrived (or at once)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     data = json.dumps(body).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
     await writer.drain()
     if until_first_event:
