@@ -57,16 +57,59 @@ def _chat(server, body: dict | str | bytes, **kwargs) -> httpx.Response:
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x"])
+                                          "multipart/form-data; boundary=x", None])
 def test_a_body_that_is_not_declared_json_is_refused(server, content_type):
+    """What a web page may send without a preflight: a form, text, or a `Blob` of no type (which once ran a
+    completion)."""
     body = b'{"prompt": "hi", "max_tokens": 1}'  # valid JSON: only its declared type is wrong
-    refused = httpx.post(f"{server.url}/v1/completions", content=body, headers={"Content-Type": content_type},
-                         timeout=60)
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    refused = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=60)
     _error(refused, 415, param="Content-Type", code="unsupported_media_type")
-    for accepted in ("application/json; charset=utf-8", None):
-        headers = {} if accepted is None else {"Content-Type": accepted}
-        assert httpx.post(f"{server.url}/v1/completions", content=body, headers=headers,
-                          timeout=60).status_code == 200
+    accepted = {"Content-Type": "application/json; charset=utf-8"}
+    assert httpx.post(f"{server.url}/v1/completions", content=body, headers=accepted,
+                      timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize(("headers", "status", "param"), [
+    ({"Host": "attacker.example"}, 400, "Host"),  # DNS rebinding: the page's own name, resolved to us
+    ({"Host": "attacker.example:8000"}, 400, "Host"),
+    ({"Origin": "https://attacker.example"}, 403, "Origin"),
+    ({"Origin": "null"}, 403, "Origin"),  # a sandboxed page, a local file
+    ({"Sec-Fetch-Site": "cross-site"}, 403, "Origin"),
+])
+def test_what_a_web_page_could_make_a_browser_send_is_refused(server, headers, status, param):
+    body = {"prompt": "hi", "max_tokens": 1}
+    _error(httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60), status,
+           param=param)
+    own = {"Origin": server.url, "Sec-Fetch-Site": "same-origin"}  # the status page's own requests
+    assert httpx.post(f"{server.url}/v1/completions", json=body, headers=own, timeout=60).status_code == 200
+    for host in ("localhost", f"localhost:{server.port}", "[::1]", f"127.0.0.1:{server.port}"):
+        assert httpx.get(f"{server.url}/health", headers={"Host": host}, timeout=60).status_code == 200
+
+
+def test_an_allowed_origin_gets_cors_answers_and_others_do_not(tmp_path):
+    with ServerProcess(make_tiny_model(tmp_path / "tiny"), "--allowed-origins", "https://app.example",
+                       "--allowed-hosts", "*", "--max-model-len", "64", "--kv-cache-memory", "4MiB"
+                       ) as server:
+        preflight = httpx.options(f"{server.url}/v1/completions", timeout=60, headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        body = {"prompt": "hi", "max_tokens": 1}
+        allowed = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60,
+                             headers={"Origin": "https://app.example", "Host": "gracelm.internal"})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"]
+        refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60,
+                             headers={"Origin": "https://other.example"})
+        assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
+
+
+def test_a_requests_own_chat_template_is_refused_without_the_trusting_flag(server):
+    """A request's template is code the server runs: vLLM's --trust-request-chat-template lets it in."""
+    body = {"messages": USER, "max_tokens": 1, "chat_template": "{{ messages[0]['content'] }}"}
+    error = _error(_chat(server, body), 400, param="chat_template")
+    assert "--trust-request-chat-template" in error["message"]
 
 
 def test_malformed_json(server):

@@ -9,10 +9,13 @@ import importlib
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from gracelm.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -98,7 +101,8 @@ REFUSED_VALUES = {
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(tiny_model("llama"), "--served-model-name", MODEL, "--kv-cache-memory", "16MiB") as s:
+    with ServerProcess(tiny_model("llama"), "--served-model-name", MODEL, "--kv-cache-memory", "16MiB",
+                       "--trust-request-chat-template") as s:
         yield s
 
 
@@ -353,6 +357,35 @@ def test_chat_template_options(client, server):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, reasoning_effort="low",
                                        extra_body={"chat_template": effort})
     assert r.usage.prompt_tokens == len(_token_ids(server, "tell me about the riverlow"))
+
+
+@pytest.mark.parametrize(("template", "why"), [
+    ("{% for a in range(800) %}{% for b in range(800) %}{% for c in range(800) %}{% endfor %}{% endfor %}"
+     "{% endfor %}", "took more than 1 s to render"),  # 104 bytes once held the event loop for 20 s
+    ('{{ "ab " * 6000000 }}', "repeats 3 items 6000000 times"),  # once 2 GB
+    ("{% for i in range(10**8) %}{% endfor %}", "a range of 100000000 numbers"),  # once a 500
+    ("{% set x = 7 ** 100000 %}", "raises to the power 100000"),
+    ('{% for i in range(9000) %}{{ "x" * 200 }}{% endfor %}', "rendered 1800000 characters"),
+])
+def test_a_requests_template_beyond_its_budget_is_a_400_and_the_server_answers_meanwhile(server, client,
+                                                                                          template, why):
+    answered: list[float] = []
+
+    def probe() -> None:
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        answered.append(time.monotonic() - started)
+
+    prober = threading.Thread(target=lambda: [probe() or time.sleep(0.1) for _ in range(5)])
+    prober.start()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                       extra_body={"chat_template": template})
+    prober.join(30)
+    assert e.value.body["param"] == "chat_template" and e.value.body["code"] == "template_budget_exceeded"
+    assert why in e.value.body["message"]
+    assert max(answered) < 1.0  # the render is off the event loop
+    assert psutil.Process(server.pid).memory_info().rss < 1 << 30
 
 
 def test_best_of_equal_to_n_is_served_and_more_refused(client):

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import pydantic
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import gracelm.startup_timeline as startup_timeline
@@ -23,10 +24,11 @@ from gracelm.batch.journal import Journal
 from gracelm.batch.runner import BatchRunner
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
-from gracelm.entrypoints import serving_tokenize
+from gracelm.entrypoints import request_ids, serving_tokenize
 from gracelm.entrypoints.api_errors import install_error_handlers
 from gracelm.entrypoints.batch_lines import BatchLines
 from gracelm.entrypoints.batch_routes import batch_router
+from gracelm.entrypoints.browser_guard import BrowserGuard, default_allowed_hosts
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import (
     ChatCompletionChunk,
@@ -55,7 +57,6 @@ from gracelm.entrypoints.openapi_docs import (
 from gracelm.entrypoints.request_body import parse_request
 from gracelm.entrypoints.request_client import HttpClient
 from gracelm.entrypoints.request_guards import BodySizeLimit, api_key_dependency
-from gracelm.entrypoints.request_ids import RequestIdHeader
 from gracelm.entrypoints.request_limits import RequestLimits
 from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.entrypoints.serving_chat import ServingChat
@@ -103,7 +104,12 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     install_openapi(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes,
                        paths={"/v1/files": settings.max_upload_bytes})
-    app.add_middleware(RequestIdHeader)
+    hosts = settings.allowed_hosts or default_allowed_hosts(settings.host)
+    app.add_middleware(BrowserGuard, allowed_hosts=hosts, allowed_origins=settings.allowed_origins)
+    if settings.allowed_origins:  # outside the guard: a preflight is answered before it
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=[request_ids.HEADER])
+    app.add_middleware(request_ids.RequestIdHeader)
     limits = RequestLimits(settings.max_stop_strings, settings.max_stop_chars)
     chat = ServingChat(engine, state, metrics, served, limits)
     completion = ServingCompletion(engine, state, metrics, served, limits)
@@ -174,7 +180,8 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     async def tokenize(raw_request: Request) -> dict:
         req = await parse_request(raw_request, TokenizeRequest)
         chat.check_model(req.model)
-        return serving_tokenize.tokenize(engine, req).model_dump(exclude_none=True)
+        answer = await serving_tokenize.tokenize(engine, req, served.template_budget)
+        return answer.model_dump(exclude_none=True)
 
     @tokens.post("/detokenize", responses=answers(DetokenizeResponse, 400, 401, 404, 413, 415, 500),
                  openapi_extra=json_body(DetokenizeRequest))

@@ -5,10 +5,15 @@
 
 A template variable the template never reads (a key of `chat_template_kwargs`, `documents`,
 `reasoning_effort`) is refused with a 400 naming it: the template would drop it without a word.
+
+A request's own `chat_template` is code the server runs: refused (a 400 naming it) unless the server runs
+with `--trust-request-chat-template` (vLLM's flag), and then rendered within a budget of time and size
+(`model/template_budget.py`), in a thread: the event loop serves meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import jinja2
@@ -17,15 +22,27 @@ from gracelm.entrypoints import tool_calls
 from gracelm.entrypoints.api_errors import APIError
 from gracelm.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage
 from gracelm.entrypoints.request_fields import truncate_prompt
+from gracelm.model.template_budget import BudgetExceeded, TemplateBudget
 from gracelm.model.tokenizer import Tokenizer, template_variables
 
 
-def prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest, max_model_len: int,
-               tools: list[dict] | None = None) -> list[int]:
+async def prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest, max_model_len: int,
+                     tools: list[dict] | None = None, budget: TemplateBudget | None = None) -> list[int]:
     """The token ids the request's conversation renders to, with `tools` and the tool history
-    (`tool_calls.template_messages`)."""
+    (`tool_calls.template_messages`). `budget`: that of a request's own template; None refuses one."""
+    if req.chat_template is None:
+        return _prompt_ids(tokenizer, req, max_model_len, tools, None)
+    if budget is None:
+        raise APIError(400, "a request's own chat_template is refused: the server runs the template it was "
+                            "started with (--chat-template, or the model's) unless it was started with "
+                            "--trust-request-chat-template", param="chat_template", code="invalid_value")
+    return await asyncio.to_thread(_prompt_ids, tokenizer, req, max_model_len, tools, budget)
+
+
+def _prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest, max_model_len: int,
+                tools: list[dict] | None, budget: TemplateBudget | None) -> list[int]:
     template = req.chat_template or tokenizer.chat_template
-    renders_tools = bool(template) and "tools" in _read_variables(template)
+    renders_tools = bool(template) and "tools" in _read_variables(template, budget)
     messages = tool_calls.template_messages([message_dict(m, i) for i, m in enumerate(req.messages)],
                                             [(m.tool_calls, m.tool_call_id) for m in req.messages], tools,
                                             renders_tools)
@@ -35,11 +52,14 @@ def prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest, max_model_len: 
             raise APIError(400, "continue_final_message needs add_generation_prompt: false (the final "
                                 "message is continued, no new turn is opened)",
                            param="continue_final_message")
-    variables = _variables(req, template)
+    variables = _variables(req, template, budget)
     try:
         text = tokenizer.render_chat(messages, req.add_generation_prompt, tools,
-                                     chat_template=req.chat_template, **variables)
-    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+                                     chat_template=req.chat_template, budget=budget, **variables)
+    except BudgetExceeded as exc:
+        raise APIError(400, f"{exc} (a request's template's budget)", param="chat_template",
+                       code="template_budget_exceeded") from None
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, OverflowError) as exc:
         param = "chat_template" if req.chat_template else "messages"
         raise APIError(400, f"the messages do not fit the chat template: {exc}", param=param) from None
     if req.continue_final_message:
@@ -82,7 +102,8 @@ def text_of(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def _variables(req: ChatCompletionRequest, template: str | None) -> dict[str, Any]:
+def _variables(req: ChatCompletionRequest, template: str | None, budget: TemplateBudget | None
+               ) -> dict[str, Any]:
     asked: dict[str, tuple[str, Any]] = {}  # variable -> (the field that set it, value)
     for key, value in (req.chat_template_kwargs or {}).items():
         asked[key] = (f"chat_template_kwargs.{key}", value)
@@ -92,7 +113,7 @@ def _variables(req: ChatCompletionRequest, template: str | None) -> dict[str, An
         asked["reasoning_effort"] = ("reasoning_effort", req.reasoning_effort)
     if not asked:
         return {}
-    read = _read_variables(template) if template else frozenset()
+    read = _read_variables(template, budget) if template else frozenset()
     for key, (field, _) in asked.items():
         if key not in read:
             raise APIError(400, f"{field}: the chat template does not read `{key}`, so it would have no "
@@ -100,10 +121,11 @@ def _variables(req: ChatCompletionRequest, template: str | None) -> dict[str, An
     return {key: value for key, (_, value) in asked.items()}
 
 
-def _read_variables(template: str) -> frozenset[str]:
+def _read_variables(template: str, budget: TemplateBudget | None) -> frozenset[str]:
+    """`budget`: the request's template's (None: the server's own template)."""
     try:
-        return template_variables(template)
-    except jinja2.TemplateSyntaxError as exc:
+        return template_variables(template, budget)
+    except (jinja2.TemplateSyntaxError, ValueError) as exc:
         raise APIError(400, f"the chat template does not parse: {exc}", param="chat_template") from None
 
 

@@ -51,8 +51,9 @@ class ServingChat(ServingBase):
         tools = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._tool_parser)
         params = tool_calls.constrained(params, tools)
         assert self.engine.config.max_model_len is not None
-        prompt_ids = chat_prompt.prompt_ids(self.engine.tokenizer, req, self.engine.config.max_model_len,
-                                            tools.tools)
+        prompt_ids = await chat_prompt.prompt_ids(self.engine.tokenizer, req,
+                                                  self.engine.config.max_model_len, tools.tools,
+                                                  self.served.template_budget)
         self.check_room(prompt_ids, max_tokens)
         request_id = client.request_id(req.request_id, "chatcmpl")
         run = await self.start(client, [prompt_ids], params, request_id, "messages",

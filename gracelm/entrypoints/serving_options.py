@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gracelm.entrypoints.generation_defaults import load_generation_defaults
 from gracelm.entrypoints.server_config import ServerConfig
+from gracelm.model.template_budget import TemplateBudget
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class ServingOptions:
     max_logprobs: int = 20
     log_requests: bool = True
     tool_call_parser: str = "auto"  # a name of `tool_parsers.NAMES`
+    template_budget: TemplateBudget | None = None  # a request's own chat template's; None: refused
 
     @property
     def model_name(self) -> str:
@@ -30,4 +32,5 @@ def serving_options(settings: ServerConfig, model_name: str, model_path: Path) -
     return ServingOptions(model_names=tuple(settings.served_model_name) or (model_name,),
                           defaults=load_generation_defaults(settings.generation_config, model_path),
                           max_logprobs=settings.max_logprobs, log_requests=not settings.disable_log_requests,
-                          tool_call_parser=settings.tool_call_parser)
+                          tool_call_parser=settings.tool_call_parser,
+                          template_budget=TemplateBudget() if settings.trust_request_chat_template else None)

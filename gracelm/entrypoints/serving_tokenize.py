@@ -15,9 +15,12 @@ from gracelm.entrypoints.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from gracelm.model.template_budget import TemplateBudget
 
 
-def tokenize(engine: AsyncEngine, req: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(engine: AsyncEngine, req: TokenizeRequest, budget: TemplateBudget | None
+                   ) -> TokenizeResponse:
+    """`budget`: that of a request's own chat template (`chat_prompt.prompt_ids`)."""
     tokenizer = engine.tokenizer
     max_model_len = engine.config.max_model_len
     assert max_model_len is not None
@@ -34,7 +37,7 @@ def tokenize(engine: AsyncEngine, req: TokenizeRequest) -> TokenizeResponse:
                  "add_special_tokens": bool(req.add_special_tokens)})
         except pydantic.ValidationError as exc:
             raise from_validation_error(exc) from None
-        ids = chat_prompt.prompt_ids(tokenizer, chat, max_model_len)
+        ids = await chat_prompt.prompt_ids(tokenizer, chat, max_model_len, budget=budget)
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=max_model_len, token_strs=strs)
 

@@ -26,6 +26,8 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 
+from gracelm.model.template_budget import TemplateBudget, bounded_environment
+
 # Rendered as an assistant message to find the token the chat template closes a turn with.
 _SENTINEL = "gracelm-end-of-turn-probe"
 # The special tokens a chat template may refer to by name (`{{ bos_token }}`), as transformers passes them.
@@ -164,17 +166,20 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, *, chat_template: str | None = None,
-                    **variables: Any) -> str:
+                    budget: TemplateBudget | None = None, **variables: Any) -> str:
         """`tools` (OpenAI's tool objects) are passed as transformers passes them; a template that does not
-        read them (`template_variables`) leaves them out. `chat_template` replaces the model's; `variables`
-        are further template variables (a request's chat_template_kwargs, documents)."""
+        read them (`template_variables`) leaves them out. `chat_template` replaces the model's (a request's,
+        rendered within `budget`: `template_budget.py`); `variables` are further template variables (a
+        request's chat_template_kwargs, documents)."""
         chat_template = chat_template or self.chat_template
         if not chat_template:
             raise ValueError(f"the model's tokenizer ({self.name}) has no chat template; send a plain prompt "
                              "(completions) instead of chat messages")
-        template = _compiled(chat_template)
-        return template.render({**self.special_tokens, **variables, "messages": messages,
-                                "add_generation_prompt": add_generation_prompt, "tools": tools})
+        context = {**self.special_tokens, **variables, "messages": messages,
+                   "add_generation_prompt": add_generation_prompt, "tools": tools}
+        if budget is None:
+            return _compiled(chat_template).render(context)
+        return budget.render(_bounded(chat_template, budget.max_chars), context)
 
     def _turn_end_id(self) -> int | None:
         """The special token the chat template writes right after an assistant message's content, if any."""
@@ -201,19 +206,36 @@ def _compiled(chat_template: str) -> jinja2.Template:
 
 
 @functools.lru_cache(maxsize=8)
-def template_variables(chat_template: str) -> frozenset[str]:
-    """The variables a chat template reads from its context (`tools` when it has a tools section)."""
-    return frozenset(jinja2.meta.find_undeclared_variables(_compiled_environment().parse(chat_template)))
+def template_variables(chat_template: str, budget: TemplateBudget | None = None) -> frozenset[str]:
+    """The variables a chat template reads from its context (`tools` when it has a tools section); a
+    request's (`budget`) read in the bounded environment, which folds no constants."""
+    env = _compiled_environment() if budget is None else bounded_environment(_configure, budget.max_chars)
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
 
 
 @functools.cache
 def _compiled_environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
+    _configure(env)
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def _bounded(chat_template: str, max_chars: int) -> jinja2.Template:
+    """A request's template, compiled in the bounded sandbox (`template_budget.py`)."""
+    return bounded_environment(_configure, max_chars).from_string(chat_template)
+
+
+def _configure(env: jinja2.Environment) -> None:
+    """What transformers gives a chat template beyond jinja2's own."""
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+    env.globals["strftime_now"] = _strftime_now
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
