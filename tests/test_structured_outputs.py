@@ -11,6 +11,7 @@ import re
 import httpx
 import jsonschema
 import openai
+import psutil
 import pytest
 from pydantic import BaseModel, Field
 
@@ -214,3 +215,30 @@ def test_refusals_name_the_field(server, body, param):
         r = httpx.post(f"{server.url}{path}", json={**base, "max_tokens": 4, **body}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
+
+
+def chained_grammar(rules: int) -> str:
+    """A Lark grammar of `rules` rules each referring to the next: llguidance's check recurses once a rule."""
+    chain = "\n".join(f'r{i}: r{i + 1} "a"' for i in range(rules))
+    return f'start: r0\n{chain}\nr{rules}: "b"'
+
+
+def grammar_checkers(server) -> list[psutil.Process]:
+    return [p for p in psutil.Process(server.pid).children()
+            if "grammar-check" in " ".join(p.cmdline())]
+
+
+def test_a_constraint_that_crashes_the_grammar_library_costs_only_its_request(server, client):
+    """A 58 KB grammar once segfaulted the server itself (its check ran in the server's process): now it is
+    that request's 400, in a helper that the next constrained request replaces."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="default", prompt="a", max_tokens=2,
+                                  extra_body={"guided_grammar": chained_grammar(3000)})
+    assert e.value.body["param"] == "guided_grammar"
+    assert "the grammar library failed on this constraint" in e.value.body["message"]
+    assert "SIGSEGV" in e.value.body["message"]
+    answer = client.completions.create(model="default", prompt="Pick a colour:", max_tokens=4,
+                                       extra_body={"guided_choice": ["red", "blue"]})
+    assert answer.choices[0].text in ("red", "blue")
+    assert len(grammar_checkers(server)) == 1  # the crashed one replaced, once
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

@@ -15,6 +15,7 @@ served only once the engine is ready, as before.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import signal
 import socket
@@ -49,7 +50,10 @@ logger = logging.getLogger("gracelm.server")
 
 def run_server(config: EngineConfig, settings: ServerConfig) -> NoReturn:
     """Runs `gracelm serve` to the end, then ends the process with its exit code (see the module
-    docstring) once every resource is released."""
+    docstring) once every resource is released. A fatal signal of its own (SIGSEGV, SIGBUS, SIGABRT, SIGFPE
+    in native code) writes every thread's stack to the log (faulthandler); its children then follow it by
+    their death pipe, and the next start reclaims its runtime directory."""
+    faulthandler.enable()
     startup_timeline.begin().mark("boot")
     code = _run(config, settings)
     logger.info("exiting with code %d", code)

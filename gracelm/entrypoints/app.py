@@ -29,6 +29,7 @@ from gracelm.entrypoints.api_errors import install_error_handlers
 from gracelm.entrypoints.batch_lines import BatchLines
 from gracelm.entrypoints.batch_routes import batch_router
 from gracelm.entrypoints.browser_guard import BrowserGuard, default_allowed_hosts
+from gracelm.entrypoints.grammar_checker import GrammarChecker
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import (
     ChatCompletionChunk,
@@ -111,8 +112,9 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
                            allow_headers=["*"], expose_headers=[request_ids.HEADER])
     app.add_middleware(request_ids.RequestIdHeader)
     limits = RequestLimits(settings.max_stop_strings, settings.max_stop_chars)
-    chat = ServingChat(engine, state, metrics, served, limits)
-    completion = ServingCompletion(engine, state, metrics, served, limits)
+    grammars = GrammarChecker.for_engine(engine, ledger)
+    chat = ServingChat(engine, state, metrics, served, limits, grammars)
+    completion = ServingCompletion(engine, state, metrics, served, limits, grammars)
     runner = None if journal is None else BatchRunner(journal, BatchLines(chat, completion), state,
                                                       engine.config.max_num_seqs)
 

@@ -2,9 +2,10 @@
 and `logit_bias`, vLLM's `structured_outputs`, `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`, `allowed_token_ids` and `bad_words`.
 
-At most one structured-output constraint per request; each is compiled once here (llguidance, no
-tokenizer needed), so that a schema or grammar the engine could not follow is a 400 naming its field
-instead of a failed request later. Whitespace in generated JSON is always compact (`", "`, `": "`), so
+At most one structured-output constraint per request; `constraint_fields` names the field it came from, and
+the request's route has it compiled (`grammar_checker.py`, off this process) before the request is admitted,
+so that a schema or grammar the engine could not follow is a 400 naming its field instead of a failed
+request later. Whitespace in generated JSON is always compact (`", "`, `": "`), so
 `disable_any_whitespace` may only be true (and `request_fields.py` refuses `guided_whitespace_pattern`
 and any `guided_decoding_backend` but llguidance).
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from gracelm.entrypoints.api_errors import APIError
 from gracelm.entrypoints.openai_protocol import SamplingFields
-from gracelm.structured_output import StructuredOutputs, check_grammar
+from gracelm.structured_output import StructuredOutputs
 
 # vLLM's `structured_outputs` keys this server follows: one constraint, and options that ask for what it
 # does anyway (no fallback to another backend exists; whitespace is never free).
@@ -24,11 +25,12 @@ _CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _NO_OP_OPTIONS = {"disable_fallback": (True, False), "disable_any_whitespace": (True,)}
 
 
-def constraint_fields(req: SamplingFields, vocab_size: int) -> dict[str, Any]:
-    """`SamplingParams` keyword arguments for the request's token constraints (only those it sets).
-    Raises a 400 `APIError` naming the field that cannot be honoured."""
+def constraint_fields(req: SamplingFields, vocab_size: int) -> tuple[dict[str, Any], str | None]:
+    """`SamplingParams` keyword arguments for the request's token constraints (only those it sets), and the
+    field that set its structured-output constraint, if any (its grammar is still to be checked). Raises a
+    400 `APIError` naming the field that cannot be honoured."""
     fields: dict[str, Any] = {}
-    constraint = _structured_outputs(req)
+    name, constraint = _structured_outputs(req)
     if constraint is not None:
         fields["structured_outputs"] = constraint
     if req.logit_bias:
@@ -38,10 +40,10 @@ def constraint_fields(req: SamplingFields, vocab_size: int) -> dict[str, Any]:
         fields["allowed_token_ids"] = list(req.allowed_token_ids)
     if req.bad_words:
         fields["bad_words"] = list(req.bad_words)
-    return fields
+    return fields, name
 
 
-def _structured_outputs(req: SamplingFields) -> StructuredOutputs | None:
+def _structured_outputs(req: SamplingFields) -> tuple[str | None, StructuredOutputs | None]:
     guided_json, regex, grammar = req.guided_json, req.guided_regex, req.guided_grammar
     found = [(name, c) for name, c in (
         ("response_format", _response_format(req.response_format)),
@@ -52,18 +54,14 @@ def _structured_outputs(req: SamplingFields) -> StructuredOutputs | None:
         ("guided_grammar", None if grammar is None else StructuredOutputs(grammar=grammar)),
     ) if c is not None]
     if not found:
-        return None
+        return None, None
     if len(found) > 1:
         raise _bad(found[1][0], f"only one structured-output constraint per request; {found[0][0]} is set "
                                 f"too")
     name, constraint = found[0]
     if req.min_tokens:  # a grammar complete before N tokens would leave no token allowed at all
         raise _bad("min_tokens", f"min_tokens is not supported together with {name}")
-    try:
-        check_grammar(constraint, name)
-    except ValueError as exc:
-        raise _bad(name, str(exc).removeprefix("SamplingParams.")) from None
-    return constraint
+    return name, constraint
 
 
 def _response_format(value: dict[str, Any] | None) -> StructuredOutputs | None:

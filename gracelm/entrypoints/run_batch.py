@@ -39,6 +39,7 @@ from gracelm.config import EngineConfig
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.messages import CoreState
 from gracelm.entrypoints.batch_lines import BatchLines
+from gracelm.entrypoints.grammar_checker import GrammarChecker
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.request_limits import RequestLimits
 from gracelm.entrypoints.server_config import ServerConfig
@@ -120,8 +121,9 @@ async def _run(engine: AsyncEngine, journal: Journal, batch_id: str) -> int:
                             tuple(s.value for s in Lifecycle), tuple(s.value for s in CoreState))
     engine.ledger.acquire(ResourceKind.DIRECTORY, f"prometheus dir {metrics.directory}", metrics.close)
     limits = RequestLimits(settings.max_stop_strings, settings.max_stop_chars)
-    lines = BatchLines(ServingChat(engine, state, metrics, served, limits),
-                       ServingCompletion(engine, state, metrics, served, limits))
+    grammars = GrammarChecker.for_engine(engine, engine.ledger)
+    lines = BatchLines(ServingChat(engine, state, metrics, served, limits, grammars),
+                       ServingCompletion(engine, state, metrics, served, limits, grammars))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)

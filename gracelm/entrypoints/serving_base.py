@@ -26,6 +26,7 @@ from gracelm.engine.request import PromptError, check_priority, context_overflow
 from gracelm.entrypoints import prompt_batch
 from gracelm.entrypoints.api_errors import APIError, from_value_error
 from gracelm.entrypoints.constraint_fields import constraint_fields
+from gracelm.entrypoints.grammar_checker import GrammarChecker
 from gracelm.entrypoints.metrics import ServerMetrics
 from gracelm.entrypoints.openai_protocol import SamplingFields, Usage
 from gracelm.entrypoints.request_client import HeldAdmission, RequestClient
@@ -43,13 +44,14 @@ class ServingBase:
     """One endpoint's access to the engine; subclasses turn requests and outputs into OpenAI's shapes."""
 
     def __init__(self, engine: AsyncEngine, state: ServerState, metrics: ServerMetrics,
-                 served: ServingOptions, limits: RequestLimits) -> None:
+                 served: ServingOptions, limits: RequestLimits, grammars: GrammarChecker) -> None:
         self.engine = engine
         self.state = state
         self.metrics = metrics
         self.served = served
         self.model_name = served.model_name
         self.limits = limits
+        self.grammars = grammars
 
     @staticmethod
     def new_request_id(prefix: str) -> str:
@@ -68,8 +70,9 @@ class ServingBase:
             raise APIError(400, f"{param} must be between 0 and {limit} (this server's --max-logprobs), got "
                                 f"{value}", param=param, code="limit_exceeded")
 
-    def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+    async def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
+                              logprobs: int | None) -> SamplingParams:
+        """The request's sampling; its structured-output constraint compiled (a 400 naming its field)."""
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         self.limits.check_stop(stop)
         fields = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=stop,
@@ -85,11 +88,15 @@ class ServingBase:
         defaults = self.served.defaults
         fields = {k: defaults[k] if v is None and k in defaults else v for k, v in fields.items()}
         fields = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
-        fields.update(constraint_fields(req, self.engine.model_config.vocab_size))
+        constraints, field = constraint_fields(req, self.engine.model_config.vocab_size)
+        fields.update(constraints)
         try:
-            return SamplingParams(**fields)
+            params = SamplingParams(**fields)
         except ValueError as exc:
             raise from_value_error(exc) from None
+        if field is not None:
+            await self.grammars.check(params.structured_outputs, field)
+        return params
 
     def check_room(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
         """Room for `max_tokens` after a prompt that fits: a 400 naming max_tokens, in OpenAI's words. The

@@ -45,11 +45,13 @@ class ServingChat(ServingBase):
         self.check_logprobs(req.top_logprobs, "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=top)
+        params = await self.sampling_params(req, max_tokens=max_tokens, logprobs=top)
         self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         params = with_prompt_logprobs(params, req.stream, req.prompt_logprobs)
         tools = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._tool_parser)
         params = tool_calls.constrained(params, tools)
+        if tools.schema is not None:
+            await self.grammars.check(params.structured_outputs, "tools")
         assert self.engine.config.max_model_len is not None
         prompt_ids = await chat_prompt.prompt_ids(self.engine.tokenizer, req,
                                                   self.engine.config.max_model_len, tools.tools,

@@ -37,7 +37,7 @@ class ServingCompletion(ServingBase):
         self.check_logprobs(req.logprobs, "logprobs")
         self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         score_only = req.echo and req.max_tokens == 0
-        params = self.sampling_params(req, max_tokens=1 if score_only else req.max_tokens,
+        params = await self.sampling_params(req, max_tokens=1 if score_only else req.max_tokens,
                                       logprobs=req.logprobs)
         params = with_prompt_logprobs(params, req.stream, req.prompt_logprobs,
                                       req.logprobs if req.echo else None)

@@ -34,7 +34,7 @@ from gracelm.entrypoints import tool_parsers
 from gracelm.entrypoints.api_errors import APIError
 from gracelm.entrypoints.tool_parsers import ArgumentsPart, Call, CallListParser, Content, Event, ToolParser
 from gracelm.sampling_params import SamplingParams
-from gracelm.structured_output import StructuredOutputs, check_grammar
+from gracelm.structured_output import StructuredOutputs
 
 DEFAULT_TOOLS_PROMPT = """You can call functions. These are the functions you may call, with their \
 parameters as JSON Schema:
@@ -139,13 +139,7 @@ def constrained(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
         raise APIError(400, "tool_choice: a required or named tool choice constrains the output itself; "
                             "it cannot be combined with response_format or structured outputs",
                        param="tool_choice")
-    constraint = StructuredOutputs.of_json_schema(tools.schema)
-    try:
-        check_grammar(constraint, "tools")
-    except ValueError as exc:
-        reason = str(exc).partition(": ")[2] or str(exc)
-        raise APIError(400, f"tools: the tools' parameters are not a JSON schema this server can generate "
-                            f"under ({reason})", param="tools") from None
+    constraint = StructuredOutputs.of_json_schema(tools.schema)  # checked by the route (`grammar_checker.py`)
     return msgspec.structs.replace(params, structured_outputs=constraint)
 
 

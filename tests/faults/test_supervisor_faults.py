@@ -3,6 +3,7 @@ directory it left, the engine core's temporary files with it: nothing is left in
 
 from __future__ import annotations
 
+import signal
 import time
 
 import psutil
@@ -38,3 +39,26 @@ def test_kill_9_of_the_supervisor_takes_every_child_and_the_next_start_reclaims(
     assert [entry for entry in temp_entries() if entry not in temp_before] == []
 
 
+
+
+def test_a_fatal_signal_of_the_supervisor_is_logged_its_children_follow_and_the_next_start_reclaims(model):
+    """A native crash of the supervisor itself (SIGSEGV, as a library on its event loop once caused): its
+    stacks in the log, every child gone within a second, and the next start reclaims what it left."""
+    temp_before = set(temp_entries())
+    server = serve(model)
+    try:
+        server.capture()
+        (runtime_dir,) = server.runtime_dirs
+    except BaseException:
+        server.kill()
+        raise
+    server.process.send_signal(signal.SIGSEGV)
+    assert server.wait_exit(5) == -signal.SIGSEGV
+    _, alive = psutil.wait_procs(server.children, timeout=1.5)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    log = server.log()
+    assert "Fatal Python error: Segmentation fault" in log and "Current thread" in log, log[-3000:]
+    server.close_log()
+    with serve(model) as following:
+        assert f"reclaimed stale runtime dir {runtime_dir}" in following.log()
+    assert [entry for entry in temp_entries() if entry not in temp_before] == []

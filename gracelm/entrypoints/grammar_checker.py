@@ -1,0 +1,140 @@
+"""Structured-output constraints checked where a crash costs that request only: a helper process.
+
+A constraint (a JSON schema, a regular expression, a choice, a grammar; or the schema a forced tool choice
+makes) is compiled as the engine core will compile it (llguidance, with the model's tokenizer) before the
+request is admitted, so that one the engine could not follow is a 400 naming its field. llguidance is
+native code: a 58 KB grammar of 3,000 chained Lark rules overflowed its stack and took the server down
+(SIGSEGV) when the check ran in the server's own process, and a large choice stalled the event loop for
+seconds. So the check runs in `gracelm::grammar-check`, a child process started at the first constrained
+request (`start_process`: it dies with the server, ignores the stop signals, stopped through the ledger),
+one check at a time, with its memory (`_MEMORY_BYTES`) and each check's time (`TIMEOUT_S`) bounded. A check
+that crashes the helper, or outlasts its time, is that request's 400; the next check starts a new helper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from gracelm.engine.async_engine import AsyncEngine
+from gracelm.entrypoints.api_errors import APIError
+from gracelm.lifecycle.ledger import Ledger, ResourceKind
+from gracelm.lifecycle.processes import ChildProcess, exit_process, start_process
+from gracelm.structured_output import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+ENTRY = "gracelm.entrypoints.grammar_checker:serve_checks"
+TIMEOUT_S = 10.0
+_MEMORY_BYTES = 4 << 30  # address space: the interpreter and llguidance take a few hundred MB of it
+_STOP_TIMEOUT_S = 2.0
+
+
+class GrammarChecker:
+    """The helper, as the server's routes use it (`check`); released through the server's ledger."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], ledger: Ledger
+                 ) -> None:
+        self._tokenizer = (tokenizer_json, vocab_size, eos_token_ids)
+        self._child: ChildProcess | None = None
+        self._conn: Connection | None = None
+        self._lock = asyncio.Lock()
+        ledger.acquire(ResourceKind.PROCESS, "grammar checker", self.close, timeout=_STOP_TIMEOUT_S + 6)
+
+    @classmethod
+    def for_engine(cls, engine: AsyncEngine, ledger: Ledger) -> GrammarChecker:
+        """The checker of the engine's model: its tokenizer, as the engine core hands it to llguidance."""
+        tokenizer = engine.tokenizer
+        return cls(tokenizer.backend.to_str(), engine.model_config.vocab_size, list(tokenizer.eos_token_ids),
+                   ledger)
+
+    async def check(self, constraint: StructuredOutputs, field: str) -> None:
+        """Raises a 400 naming `field` when `constraint` cannot be followed: it does not compile, or its
+        check crashed or outlasted `TIMEOUT_S`."""
+        async with self._lock:
+            conn = self._connection()
+            conn.send_bytes(msgspec.msgpack.encode(constraint))
+            try:
+                error = await asyncio.wait_for(_reply(conn), TIMEOUT_S)
+            except TimeoutError:
+                self._restart("outlasted its time")
+                raise APIError(400, f"{field}: checking this constraint took more than {TIMEOUT_S:g} s; make "
+                                    f"it smaller", param=field, code="invalid_value") from None
+            except (EOFError, OSError):
+                how = self._restart("crashed")
+                raise APIError(400, f"{field}: the grammar library failed on this constraint ({how}); make "
+                                    f"it smaller or simpler", param=field, code="invalid_value") from None
+        if error is not None:
+            raise APIError(400, f"{field}: {error}", param=field, code="invalid_value")
+
+    def close(self) -> str:
+        if self._child is None:
+            return "never started"
+        self._child.process.kill()  # it keeps nothing
+        outcome = self._child.stop(_STOP_TIMEOUT_S)
+        assert self._conn is not None
+        self._conn.close()
+        self._child = self._conn = None
+        return outcome
+
+    def _connection(self) -> Connection:
+        if self._child is None:
+            import multiprocessing
+
+            parent, child = multiprocessing.get_context("spawn").Pipe()
+            self._child = start_process("grammar checker", "gracelm::grammar-check", ENTRY,
+                                        (child, *self._tokenizer))
+            child.close()
+            self._conn = parent
+        assert self._conn is not None
+        return self._conn
+
+    def _restart(self, what: str) -> str:
+        """Ends the helper that `what` (logged); the next check starts another. Returns how it ended."""
+        assert self._child is not None
+        exit_described = self._child.describe_exit() if self._child.exitcode is not None else "killed"
+        logger.warning("grammar checker pid %d %s (%s); the next check starts another", self._child.pid, what,
+                       exit_described)
+        self.close()
+        return exit_described
+
+
+async def _reply(conn: Connection) -> str | None:
+    """The helper's answer, read once its pipe is readable (not on the event loop's time)."""
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+    try:
+        await readable
+    finally:
+        loop.remove_reader(conn.fileno())
+    return msgspec.msgpack.decode(conn.recv_bytes())
+
+
+def serve_checks(conn: Connection, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    """The helper: compiles each constraint it is sent as the engine core does, and answers None or the
+    error; ends when its pipe closes."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_BYTES, _MEMORY_BYTES))
+    tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
+    while True:
+        try:
+            constraint = msgspec.msgpack.decode(conn.recv_bytes(), type=StructuredOutputs)
+        except EOFError:
+            exit_process(0)
+        conn.send_bytes(msgspec.msgpack.encode(_error(LLMatcher, tokenizer, constraint)))
+
+
+def _error(matcher_class: type, tokenizer: object, constraint: StructuredOutputs) -> str | None:
+    try:
+        matcher = matcher_class(tokenizer, constraint.grammar_text(), log_level=0)
+    except (ValueError, TypeError) as exc:
+        return f"not a valid constraint: {str(exc).strip().splitlines()[0]}"
+    if matcher.is_error():
+        return f"not a valid constraint: {matcher.get_error().strip().splitlines()[0]}"
+    return None
