@@ -242,3 +242,26 @@ def test_a_constraint_that_crashes_the_grammar_library_costs_only_its_request(se
     assert answer.choices[0].text in ("red", "blue")
     assert len(grammar_checkers(server)) == 1  # the crashed one replaced, once
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+RECURSIVE = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
+                                "required": ["next"]}}, "$ref": "#/$defs/node"}
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"guided_choice": [f"c{i}" for i in range(2001)]}, "guided_choice", "max is 2000"),
+    ({"guided_choice": [f"option-{i}-" + "x" * 30 for i in range(16000)]}, "guided_choice", "max is 2000"),
+    ({"guided_json": RECURSIVE}, "guided_json", "Too many items"),
+    ({"guided_choice": ["red"], "allowed_token_ids": [5]}, "allowed_token_ids", "none of the allowed tokens"),
+    ({"guided_json": {"type": "integer", "minimum": 10**30, "maximum": 10**30 + 5}}, "guided_json",
+     "beyond 64-bit integers"),
+    ({"allowed_token_ids": [2], "min_tokens": 3}, "min_tokens", "every token of allowed_token_ids ends"),
+])
+def test_a_constraint_the_engine_could_not_keep_is_a_400_naming_it(server, fields, param, says):
+    """Each of these was a 500 from the engine, or a finished answer outside its constraint (an integer
+    clamped to 2^63 - 1, tokens outside allowed_token_ids)."""
+    answer = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                        json={"model": "default", "prompt": "a", "max_tokens": 8, **fields})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and says in error["message"], error

@@ -41,7 +41,7 @@ class GrammarChecker:
                  ) -> None:
         self._tokenizer = (tokenizer_json, vocab_size, eos_token_ids)
         self._child: ChildProcess | None = None
-        self._conn: Connection | None = None
+        self._conns: tuple[Connection, Connection] | None = None  # its requests' and its replies' pipes
         self._lock = asyncio.Lock()
         ledger.acquire(ResourceKind.PROCESS, "grammar checker", self.close, timeout=_STOP_TIMEOUT_S + 6)
 
@@ -52,14 +52,17 @@ class GrammarChecker:
         return cls(tokenizer.backend.to_str(), engine.model_config.vocab_size, list(tokenizer.eos_token_ids),
                    ledger)
 
-    async def check(self, constraint: StructuredOutputs, field: str) -> None:
-        """Raises a 400 naming `field` when `constraint` cannot be followed: it does not compile, or its
+    async def check(self, constraint: StructuredOutputs, field: str, allowed_token_ids: list[int] | None
+                    ) -> None:
+        """Raises a 400 naming `field` (or `allowed_token_ids`) when `constraint` cannot be followed: it does
+        not compile, its first token fails, `allowed_token_ids` allow none of its first tokens, or its
         check crashed or outlasted `TIMEOUT_S`."""
         async with self._lock:
-            conn = self._connection()
-            conn.send_bytes(msgspec.msgpack.encode(constraint))
+            requests, replies = self._pipes()
+            message = msgspec.msgpack.encode((constraint, allowed_token_ids))
             try:
-                error = await asyncio.wait_for(_reply(conn), TIMEOUT_S)
+                await asyncio.to_thread(requests.send_bytes, message)  # a large one waits for the helper
+                error = await asyncio.wait_for(_reply(replies), TIMEOUT_S)
             except TimeoutError:
                 self._restart("outlasted its time")
                 raise APIError(400, f"{field}: checking this constraint took more than {TIMEOUT_S:g} s; make "
@@ -69,29 +72,36 @@ class GrammarChecker:
                 raise APIError(400, f"{field}: the grammar library failed on this constraint ({how}); make "
                                     f"it smaller or simpler", param=field, code="invalid_value") from None
         if error is not None:
-            raise APIError(400, f"{field}: {error}", param=field, code="invalid_value")
+            param = "allowed_token_ids" if error.startswith(_DISJOINT) else field
+            raise APIError(400, f"{param}: {error}", param=param, code="invalid_value")
 
     def close(self) -> str:
         if self._child is None:
             return "never started"
         self._child.process.kill()  # it keeps nothing
         outcome = self._child.stop(_STOP_TIMEOUT_S)
-        assert self._conn is not None
-        self._conn.close()
-        self._child = self._conn = None
+        assert self._conns is not None
+        for conn in self._conns:
+            conn.close()
+        self._child = self._conns = None
         return outcome
 
-    def _connection(self) -> Connection:
+    def _pipes(self) -> tuple[Connection, Connection]:
+        """Two one-way pipes to the helper, started if need be: the event loop watches the replies' (its
+        watch makes the descriptor non-blocking) and never writes to it."""
         if self._child is None:
             import multiprocessing
 
-            parent, child = multiprocessing.get_context("spawn").Pipe()
+            context = multiprocessing.get_context("spawn")
+            requests_in, requests_out = context.Pipe(duplex=False)
+            replies_in, replies_out = context.Pipe(duplex=False)
             self._child = start_process("grammar checker", "gracelm::grammar-check", ENTRY,
-                                        (child, *self._tokenizer))
-            child.close()
-            self._conn = parent
-        assert self._conn is not None
-        return self._conn
+                                        (requests_in, replies_out, *self._tokenizer))
+            requests_in.close()
+            replies_out.close()
+            self._conns = (requests_out, replies_in)
+        assert self._conns is not None
+        return self._conns
 
     def _restart(self, what: str) -> str:
         """Ends the helper that `what` (logged); the next check starts another. Returns how it ended."""
@@ -115,26 +125,74 @@ async def _reply(conn: Connection) -> str | None:
     return msgspec.msgpack.decode(conn.recv_bytes())
 
 
-def serve_checks(conn: Connection, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
-    """The helper: compiles each constraint it is sent as the engine core does, and answers None or the
-    error; ends when its pipe closes."""
-    from llguidance import LLMatcher, LLTokenizer
+def serve_checks(requests: Connection, replies: Connection, tokenizer_json: str, vocab_size: int,
+                 eos_token_ids: list[int]) -> None:
+    """The helper: checks each constraint it is sent (`_error`) and answers None or the error; ends when
+    its pipe closes."""
+    from llguidance import LLTokenizer
 
     resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_BYTES, _MEMORY_BYTES))
     tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
     while True:
         try:
-            constraint = msgspec.msgpack.decode(conn.recv_bytes(), type=StructuredOutputs)
+            raw = requests.recv_bytes()
         except EOFError:
             exit_process(0)
-        conn.send_bytes(msgspec.msgpack.encode(_error(LLMatcher, tokenizer, constraint)))
+        constraint, allowed = msgspec.msgpack.decode(raw, type=tuple[StructuredOutputs, list[int] | None])
+        replies.send_bytes(msgspec.msgpack.encode(_error(tokenizer, constraint, allowed)))
 
 
-def _error(matcher_class: type, tokenizer: object, constraint: StructuredOutputs) -> str | None:
+_DISJOINT = "none of the allowed tokens"
+
+
+def _error(tokenizer: object, constraint: StructuredOutputs, allowed: list[int] | None) -> str | None:
+    """What keeps the engine from following `constraint`, if anything: its JSON schema's integers beyond 64
+    bits (llguidance would clamp them), a grammar that does not compile, a first token that no token of
+    `allowed` is, or the first token it allows failing (a parser limit met at once)."""
+    from llguidance import LLMatcher
+
+    beyond = _integer_beyond_64_bits(constraint)
+    if beyond is not None:
+        return f"{beyond} is beyond 64-bit integers, which the constraint cannot keep to"
     try:
-        matcher = matcher_class(tokenizer, constraint.grammar_text(), log_level=0)
+        matcher = LLMatcher(tokenizer, constraint.grammar_text(), log_level=0)
     except (ValueError, TypeError) as exc:
-        return f"not a valid constraint: {str(exc).strip().splitlines()[0]}"
+        return f"not a valid constraint: {_first_line(str(exc))}"
     if matcher.is_error():
-        return f"not a valid constraint: {matcher.get_error().strip().splitlines()[0]}"
+        return f"not a valid constraint: {_first_line(matcher.get_error())}"
+    first = _tokens(matcher.compute_bitmask())
+    if allowed is not None:
+        first = sorted(set(first) & set(allowed))
+        if not first:
+            return f"{_DISJOINT} can start the structured output"
+    if first and not matcher.consume_token(first[0]):
+        return f"the constraint fails at its first token: {_first_line(matcher.get_error() or 'refused')}"
     return None
+
+
+def _tokens(bitmask: bytes) -> list[int]:
+    return [8 * i + bit for i, byte in enumerate(bitmask) if byte for bit in range(8) if byte >> bit & 1]
+
+
+def _integer_beyond_64_bits(constraint: StructuredOutputs) -> int | None:
+    """A bound of a JSON schema (`minimum`, `maximum`, ...) that no 64-bit integer reaches, if any."""
+    if constraint.json is None:
+        return None
+    pending = [msgspec.json.decode(constraint.json)]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in _BOUNDS and isinstance(value, int) and not -(2**63) <= value < 2**63:
+                    return value
+                pending.append(value)
+        elif isinstance(node, list):
+            pending.extend(node)
+    return None
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text

@@ -94,9 +94,21 @@ class ServingBase:
             params = SamplingParams(**fields)
         except ValueError as exc:
             raise from_value_error(exc) from None
+        self._check_min_tokens(params)
         if field is not None:
-            await self.grammars.check(params.structured_outputs, field)
+            await self.grammars.check(params.structured_outputs, field, params.allowed_token_ids)
         return params
+
+    def _check_min_tokens(self, params: SamplingParams) -> None:
+        """`min_tokens` holds the tokens that end a generation: with `allowed_token_ids` all such tokens, no
+        token would be left (a 400, never a token outside the set)."""
+        if not params.min_tokens or params.allowed_token_ids is None:
+            return
+        ending = set(self.engine.tokenizer.eos_token_ids) | set(params.stop_token_ids)
+        if set(params.allowed_token_ids) <= ending:
+            raise APIError(400, "min_tokens: every token of allowed_token_ids ends the generation, which "
+                                "min_tokens holds off: no token could be generated", param="min_tokens",
+                           code="invalid_value")
 
     def check_room(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
         """Room for `max_tokens` after a prompt that fits: a 400 naming max_tokens, in OpenAI's words. The

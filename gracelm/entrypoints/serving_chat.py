@@ -51,7 +51,7 @@ class ServingChat(ServingBase):
         tools = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._tool_parser)
         params = tool_calls.constrained(params, tools)
         if tools.schema is not None:
-            await self.grammars.check(params.structured_outputs, "tools")
+            await self.grammars.check(params.structured_outputs, "tools", params.allowed_token_ids)
         assert self.engine.config.max_model_len is not None
         prompt_ids = await chat_prompt.prompt_ids(self.engine.tokenizer, req,
                                                   self.engine.config.max_model_len, tools.tools,

@@ -32,7 +32,9 @@ Total: for every value `SamplingParams` accepts, every row gets a valid token id
 `GREEDY_BELOW` is greedy (as in vLLM: dividing by it would overflow float32); a repetition penalty is
 clamped to what float32 can divide by; NaN and infinite logits (a request's own extreme values, or a
 model's) stay in their row: NaN counts as impossible, +inf as the largest float, a row with nothing
-possible takes token 0, and no draw can land past the end of its row. Logprobs stay finite (JSON has no
+possible takes token 0, and no draw can land past the end of its row. But a row that its constraints (with
+the stop tokens `min_tokens` holds) leave no token raises: it is its request's fault, and a token outside
+its constraints would break them without a word. Logprobs stay finite (JSON has no
 NaN or infinity).
 """
 
@@ -426,6 +428,9 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(nan=-_FLOAT_MAX, neginf=-_FLOAT_MAX)
     if meta.constraints is not None:
         meta.constraints.apply(logits)
+        if torch.isneginf(logits).all(dim=1).any():
+            raise ValueError("a request's constraints (and the stop tokens min_tokens holds) leave no token "
+                             "possible")
     if meta.penalties is not None:
         meta.penalties.apply(logits)
     _finite(logits)
