@@ -247,3 +247,51 @@ def test_batch_lines_run_behind_interactive_requests(api, server):
 
 def _metric(server: ServerProcess, name: str) -> float:
     return metric_value(httpx.get(f"{server.url}/metrics", timeout=30).text, name)
+
+
+def test_uploads_stream_to_the_journal_and_at_most_two_run_at_once(tmp_path):
+    """A 100 MB upload once cost the server about 5x its size (614 MB at its peak), four at once 1.74 GB,
+    with no cap on how many ran: now its bytes pass through to the form parser's spool file and into the
+    journal a chunk at a time, and a third upload while two are in progress is a 429 before its body."""
+    size = 100 << 20
+    with ServerProcess(tiny_model("llama"), *SERVE_ARGS, "--state-dir", str(tmp_path / "state"),
+                       "--max-upload-bytes", str(size + (1 << 20))) as server:
+        api = client(server.url)
+        api.files.create(file=("warm.jsonl", io.BytesIO(b"{}\n")), purpose="batch")  # first-use imports
+        before = _peak_rss(server)
+        content = b"x" * (size - 1) + b"\n"
+        uploaded = api.files.create(file=("big.jsonl", io.BytesIO(content)), purpose="batch")
+        grown = _peak_rss(server) - before
+        assert grown < size // 4, f"the upload raised the server's peak memory by {grown >> 20} MiB"
+        assert uploaded.bytes == size and api.files.content(uploaded.id).content == content
+        slow = [_slow_upload(server, b"y" * 1000) for _ in range(2)]
+        try:
+            third = httpx.post(f"{server.url}/v1/files", timeout=60, files={"file": ("c.jsonl", b"{}\n")},
+                               data={"purpose": "batch"})
+            assert third.status_code == 429 and third.json()["error"]["code"] == "too_many_uploads"
+        finally:
+            for sock in slow:
+                sock.close()
+        deadline = time.monotonic() + 30  # the server notices the two closed connections
+        while httpx.post(f"{server.url}/v1/files", timeout=60, data={"purpose": "batch"},
+                         files={"file": ("d.jsonl", b"{}\n")}).status_code != 200:
+            assert time.monotonic() < deadline, "uploads are still refused"
+            time.sleep(0.2)
+
+
+def _peak_rss(server: ServerProcess) -> int:
+    """The server process's peak resident memory so far (VmHWM), in bytes."""
+    status = Path(f"/proc/{server.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) << 10
+
+
+def _slow_upload(server: ServerProcess, first_bytes: bytes):
+    """An upload whose body has begun and stops: it holds its place among those in progress."""
+    import socket
+
+    body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"s.jsonl\"\r\n\r\n" + first_bytes
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; "
+                 b"boundary=b\r\nContent-Length: 10000000\r\n\r\n" + body)
+    time.sleep(0.5)
+    return sock

@@ -4,6 +4,7 @@ from the status the runner saw, and the checks of an input file."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 
 import pytest
@@ -43,7 +44,7 @@ def test_one_process_holds_a_directory(journal, tmp_path):
 
 
 def test_a_files_bytes_are_checked_against_their_checksum(journal):
-    record = journal.add_file("in.jsonl", INPUT_PURPOSE, b"hello\n")
+    record = journal.add_file("in.jsonl", INPUT_PURPOSE, io.BytesIO(b"hello\n"))
     assert journal.file_content(record.id) == b"hello\n"
     journal._db.execute("UPDATE files SET content = ? WHERE id = ?", (b"hellO\n", record.id))
     with pytest.raises(CorruptFileError):
@@ -51,7 +52,7 @@ def test_a_files_bytes_are_checked_against_their_checksum(journal):
 
 
 def test_a_batch_ends_once_from_the_status_the_runner_saw(journal):
-    file = journal.add_file("in.jsonl", INPUT_PURPOSE, jsonl(chat_lines(3)))
+    file = journal.add_file("in.jsonl", INPUT_PURPOSE, io.BytesIO(jsonl(chat_lines(3))))
     batch = journal.create_batch(file.id, "/v1/chat/completions", "24h", 60, None)
     lines, errors = validate_input(journal.file_content(file.id), batch.endpoint)
     assert not errors and journal.start_batch(batch.id, lines)

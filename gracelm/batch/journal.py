@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from gracelm.batch.objects import (
     OUTPUT_PURPOSE,
@@ -55,6 +56,8 @@ logger = logging.getLogger(__name__)
 DB_NAME = "batches.db"
 LOCK_NAME = "batches.lock"
 SCHEMA_VERSION = 1
+# A file's bytes go into the journal this many at a time.
+_CHUNK_BYTES = 1 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -195,9 +198,11 @@ class Journal:
 
     # -- files ---------------------------------------------------------------------------------------
 
-    def add_file(self, filename: str, purpose: str, content: bytes) -> FileRecord:
+    def add_file(self, filename: str, purpose: str, source: BinaryIO) -> FileRecord:
+        """The file whose bytes `source` gives from where it stands to its end (an upload spooled to disk:
+        streamed in, never whole in memory)."""
         with self._write() as db:
-            return _insert_file(db, filename, purpose, content)
+            return _insert_file(db, filename, purpose, source)
 
     def get_file(self, file_id: str) -> FileRecord | None:
         with self._read() as db:
@@ -343,7 +348,7 @@ class Journal:
                                      "WHERE r.batch_id = ? AND l.state = ? ORDER BY r.line",
                                      (batch_id, state)).fetchall()
                 if outputs:
-                    content = "".join(output + "\n" for (output,) in outputs).encode()
+                    content = io.BytesIO("".join(output + "\n" for (output,) in outputs).encode())
                     files[column] = _insert_file(db, f"{batch_id}_{suffix}.jsonl", OUTPUT_PURPOSE, content).id
             for column, file_id in files.items():
                 db.execute(f"UPDATE batches SET {column} = ? WHERE id = ?", (file_id, batch_id))
@@ -382,12 +387,23 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def _insert_file(db: sqlite3.Connection, filename: str, purpose: str, content: bytes) -> FileRecord:
-    record = FileRecord(new_id("file-"), purpose, filename, len(content), hashlib.sha256(content).hexdigest(),
-                        int(time.time()))
-    db.execute(f"INSERT INTO files ({_FILE_COLUMNS}, content) VALUES (?, ?, ?, ?, ?, ?, ?)",
-               (*(getattr(record, f) for f in ("id", "purpose", "filename", "bytes", "sha256", "created_at")),
-                content))
+def _insert_file(db: sqlite3.Connection, filename: str, purpose: str, source: BinaryIO) -> FileRecord:
+    """A new file of `source`'s bytes from where it stands, a chunk at a time: read once for its size and
+    checksum, then again into SQLite's incremental blob I/O. (Its row is written whole once: updating it
+    after would read the whole blob back into memory.)"""
+    start = source.tell()
+    digest = hashlib.sha256()
+    while chunk := source.read(_CHUNK_BYTES):
+        digest.update(chunk)
+    size = source.tell() - start
+    source.seek(start)
+    record = FileRecord(new_id("file-"), purpose, filename, size, digest.hexdigest(), int(time.time()))
+    columns = (getattr(record, f) for f in ("id", "purpose", "filename", "bytes", "sha256", "created_at"))
+    cursor = db.execute(f"INSERT INTO files ({_FILE_COLUMNS}, content) "
+                        f"VALUES (?, ?, ?, ?, ?, ?, zeroblob(?))", (*columns, size))
+    with db.blobopen("files", "content", cursor.lastrowid) as blob:
+        while chunk := source.read(_CHUNK_BYTES):
+            blob.write(chunk)
     return record
 
 

@@ -104,7 +104,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     install_error_handlers(app)
     install_openapi(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes,
-                       paths={"/v1/files": settings.max_upload_bytes})
+                       uploads={"/v1/files": settings.max_upload_bytes})
     hosts = settings.allowed_hosts or default_allowed_hosts(settings.host)
     app.add_middleware(BrowserGuard, allowed_hosts=hosts, allowed_origins=settings.allowed_origins)
     if settings.allowed_origins:  # outside the guard: a preflight is answered before it

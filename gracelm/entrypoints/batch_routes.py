@@ -48,8 +48,8 @@ def batch_router(journal: Journal | None, runner: BatchRunner | None) -> APIRout
         if purpose != INPUT_PURPOSE:
             raise APIError(400, f"this server keeps files for batches only: purpose must be "
                                 f"{INPUT_PURPOSE!r}, got {purpose!r}", param="purpose", code="invalid_value")
-        content = await file.read()
-        record = await store.call(Journal.add_file, file.filename or "upload.jsonl", purpose, content)
+        # Spooled to disk by the form parser beyond 1 MB: streamed into the journal from there.
+        record = await store.call(Journal.add_file, file.filename or "upload.jsonl", purpose, file.file)
         return record.to_openai()
 
     @router.get("/files", responses=answers(FileList, 400, 401, 404, 500))

@@ -1,4 +1,5 @@
-"""Checks a request passes before any route reads it: the body-size limit (413) and the API key (401)."""
+"""Checks a request passes before any route reads it: the body-size limit (413), the count of uploads at once
+(429), and the API key (401)."""
 
 from __future__ import annotations
 
@@ -21,22 +22,30 @@ _DRAIN_S = 2.0
 
 class BodySizeLimit:
     """Pure ASGI middleware (so streaming and disconnect detection pass through untouched): reads the
-    body up to `limit` bytes (`paths`: another limit for these paths, such as file uploads), answers 413
-    beyond it, and replays it to the app."""
+    body up to `limit` bytes, answers 413 beyond it, and replays it to the app. An upload (`uploads`: its
+    path and limit) is passed through as it comes instead, counted (413 beyond its limit), the app spooling
+    it to disk: whole in memory, a 100 MB one cost about 5x its size. At most `max_uploads` at once; one
+    more is a 429 before its body is read."""
 
-    def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:
+    def __init__(self, app: ASGIApp, limit: int, uploads: dict[str, int] | None = None,
+                 max_uploads: int = 2) -> None:
         self.app = app
         self.limit = limit
-        self.paths = paths or {}
+        self.uploads = uploads or {}
+        self.max_uploads = max_uploads
+        self._uploading = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
-        limit = self.paths.get(scope["path"], self.limit)
+        limit = self.uploads.get(scope["path"], self.limit)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._refuse(scope, receive, send, limit)
+            return
+        if scope["path"] in self.uploads:
+            await self._upload(scope, receive, send, limit)
             return
         chunks, size = [], 0
         while True:
@@ -53,11 +62,45 @@ class BodySizeLimit:
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(_drop_body(receive), _DRAIN_S)
         error = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large",
                          headers={"Connection": "close"})
-        await error.response()(scope, receive, send)
+        await _answer_unread(error, scope, receive, send)
+
+    async def _upload(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        if self._uploading >= self.max_uploads:
+            error = APIError(429, f"{self.max_uploads} uploads are in progress, the most at once; retry when "
+                                  f"one has ended", code="too_many_uploads",
+                             headers={"Connection": "close", "Retry-After": "1"})
+            await _answer_unread(error, scope, receive, send)
+            return
+        self._uploading += 1
+        try:
+            await self.app(scope, _counted(receive, limit), send)
+        finally:
+            self._uploading -= 1
+
+
+async def _answer_unread(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    """`error`, answered once what is left of the body is dropped (or after `_DRAIN_S`)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(_drop_body(receive), _DRAIN_S)
+    await error.response()(scope, receive, send)
+
+
+def _counted(receive: Receive, limit: int) -> Receive:
+    """`receive`, raising a 413 once the body passes `limit` bytes (the app's error handler answers it)."""
+    size = 0
+
+    async def counted() -> Message:
+        nonlocal size
+        message = await receive()
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large",
+                           headers={"Connection": "close"})
+        return message
+
+    return counted
 
 
 async def _drop_body(receive: Receive) -> None:

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import signal
@@ -96,7 +97,7 @@ def _resume_or_create(journal: Journal, content: bytes) -> BatchRecord:
                     batch.counts.completed + batch.counts.failed, batch.counts.total)
         return batch
     if file is None:
-        file = journal.add_file("input.jsonl", INPUT_PURPOSE, content)
+        file = journal.add_file("input.jsonl", INPUT_PURPOSE, io.BytesIO(content))
     return journal.create_batch(file.id, None, COMPLETION_WINDOW, None, None)
 
 
