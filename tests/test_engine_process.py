@@ -45,16 +45,19 @@ def test_too_little_kv_memory_is_a_clear_start_up_error(model):
 
 def test_core_is_named_ignores_sigint_and_stops_fast(model):
     llm = Engine(model, **TINY)
-    core = psutil.Process(llm._client.process.pid)
-    runtime_dir = llm.runtime_dir
-    assert "gracelm::engine-core" in " ".join(core.cmdline())
-    assert runtime_dir.is_dir()
-    assert {p.name for p in runtime_dir.iterdir()} == {"input.sock", "output.sock", "heartbeat", "tmp"}
-    core.send_signal(signal.SIGINT)  # Ctrl-C reaches the whole group; only the frontend may act on it
-    time.sleep(0.2)
-    assert core.is_running() and llm.stats()["num_running"] == 0
-    started = time.monotonic()
-    llm.shutdown()
+    try:
+        core = psutil.Process(llm._client.process.pid)
+        runtime_dir = llm.runtime_dir
+        assert "gracelm::engine-core" in " ".join(core.cmdline())
+        assert runtime_dir.is_dir()
+        assert {p.name for p in runtime_dir.iterdir()} == {
+            "input.sock", "output.sock", "heartbeat", "tmp", "owner.lock"}
+        core.send_signal(signal.SIGINT)  # Ctrl-C reaches the whole group; only the frontend may act on it
+        time.sleep(0.2)
+        assert core.is_running() and llm.stats()["num_running"] == 0
+    finally:
+        started = time.monotonic()
+        llm.shutdown()
     assert time.monotonic() - started < 2.0
     assert not core.is_running() and not runtime_dir.exists()
     assert llm._client.process.outcome == "exited"
