@@ -5,11 +5,20 @@ from the status the runner saw, and the checks of an input file."""
 from __future__ import annotations
 
 import io
+import sqlite3
 import subprocess
 
 import pytest
 
-from gracelm.batch.journal import CorruptFileError, Journal, JournalError
+from gracelm.batch.journal import (
+    CRASHED_LINE,
+    DB_NAME,
+    SCHEMA_VERSION,
+    SUSPECT_AFTER,
+    CorruptFileError,
+    Journal,
+    JournalError,
+)
 from gracelm.batch.objects import CANCELLED_LINE, INPUT_PURPOSE, LineState, Status, answered_line
 from gracelm.batch.validation import MAX_ERRORS, validate_input
 from gracelm.lifecycle.exit_codes import ExitCode
@@ -52,10 +61,7 @@ def test_a_files_bytes_are_checked_against_their_checksum(journal):
 
 
 def test_a_batch_ends_once_from_the_status_the_runner_saw(journal):
-    file = journal.add_file("in.jsonl", INPUT_PURPOSE, io.BytesIO(jsonl(chat_lines(3))))
-    batch = journal.create_batch(file.id, "/v1/chat/completions", "24h", 60, None)
-    lines, errors = validate_input(journal.file_content(file.id), batch.endpoint)
-    assert not errors and journal.start_batch(batch.id, lines)
+    batch = journal.get_batch(_started_batch(journal, 3))
     [first] = journal.take_lines(batch.id, 0, 1)
     journal.record_results([(batch.id, first.line, LineState.COMPLETED,
                              answered_line("batch_req_1", first.custom_id, 200, {"ok": True}))])
@@ -69,6 +75,55 @@ def test_a_batch_ends_once_from_the_status_the_runner_saw(journal):
     assert (ended.counts.total, ended.counts.completed, ended.counts.failed) == (3, 1, 2)
     assert journal.file_content(ended.output_file_id).count(b"\n") == 1
     assert journal.file_content(ended.error_file_id).count(b"batch_cancelled") == 2
+
+
+def _started_batch(journal: Journal, count: int) -> str:
+    file = journal.add_file("in.jsonl", INPUT_PURPOSE, io.BytesIO(jsonl(chat_lines(count))))
+    batch = journal.create_batch(file.id, "/v1/chat/completions", "24h", 60, None)
+    lines, errors = validate_input(journal.file_content(file.id), batch.endpoint)
+    assert not errors and journal.start_batch(batch.id, lines)
+    return batch.id
+
+
+def test_a_line_in_flight_at_deaths_becomes_a_suspect_run_alone_then_failed(tmp_path):
+    """The bookkeeping behind the poison line (test_batch_recovery.py), one death at a time: each open of
+    the journal is a start after a death, since nothing released or answered the lines taken."""
+    journal = Journal(tmp_path)
+    batch_id = _started_batch(journal, 3)
+    for _ in range(SUSPECT_AFTER):
+        assert [line.line for line in journal.take_lines(batch_id, 0, 1)] == [1]
+        journal.close()
+        journal = Journal(tmp_path)
+    assert [line.line for line in journal.take_lines(batch_id, 0, 3)] == [2, 3]  # the suspect left out
+    assert journal.take_suspect(batch_id).line == 1
+    journal.release_lines([(batch_id, 2)])  # a graceful stop: no crash counted for it
+    journal.close()
+    journal = Journal(tmp_path)
+    try:
+        assert journal.crash_culprits == 1
+        rows = dict(journal_rows(tmp_path, "SELECT line, crashes || state FROM lines WHERE batch_id = ?",
+                                 batch_id))
+        assert rows == {1: f"{SUSPECT_AFTER}failed", 2: "0queued", 3: "1queued"}
+        [output] = journal_rows(tmp_path, "SELECT output FROM results WHERE batch_id = ?", batch_id)
+        assert CRASHED_LINE[0] in output[0]
+    finally:
+        journal.close()
+
+
+def test_a_version_1_journal_gains_the_crash_bookkeeping(tmp_path):
+    journal = Journal(tmp_path)
+    batch_id = _started_batch(journal, 2)
+    journal.close()
+    with sqlite3.connect(tmp_path / DB_NAME) as db:  # the journal as version 1 wrote it
+        for column in ("in_flight", "crashes", "alone"):
+            db.execute(f"ALTER TABLE lines DROP COLUMN {column}")
+        db.execute("PRAGMA user_version=1")
+    journal = Journal(tmp_path)
+    try:
+        assert len(journal.take_lines(batch_id, 0, 2)) == 2
+        assert journal_rows(tmp_path, "PRAGMA user_version")[0][0] == SCHEMA_VERSION
+    finally:
+        journal.close()
 
 
 def test_a_file_with_many_bad_lines_lists_the_first_errors_only():

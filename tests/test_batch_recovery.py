@@ -16,12 +16,15 @@ import signal
 import threading
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from gracelm.lifecycle.runtime_dir import PREFIX, runtime_base
 from tests.batch_helpers import (
     FINAL,
     SERVE_ARGS,
+    chat_line,
     chat_lines,
     client,
     integrity,
@@ -31,16 +34,16 @@ from tests.batch_helpers import (
     submit,
     wait_for,
 )
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, metric_value, port_is_free
 from tests.tiny_models import tiny_model
 
 SLOW_STEPS = {"test_step_sleep_s": 0.05}
 
 
-def serve(state_dir: Path, hooks: dict | None = None, *args: str) -> ServerProcess:
+def serve(state_dir: Path, hooks: dict | None = None, *args: str, wait_ready: bool = True) -> ServerProcess:
     env = {"GRACELM_TEST_HOOKS": json.dumps(hooks)} if hooks else None
     return ServerProcess(tiny_model("llama"), *SERVE_ARGS, "--state-dir", str(state_dir),
-                         "--max-num-seqs", "4", *args, env=env)
+                         "--max-num-seqs", "4", *args, env=env, wait_ready=wait_ready)
 
 
 def kill_9(server: ServerProcess) -> None:
@@ -205,3 +208,42 @@ def test_in_deterministic_mode_a_resumed_batch_answers_as_an_uninterrupted_one(t
     assert resumed == whole
     server.assert_nothing_left()
     assert integrity(tmp_path / "killed") == "ok"
+
+
+POISON = {"test_exit_for_seed": 666}  # the engine core exits at a step with a request of seed 666
+
+
+def test_a_line_that_kills_the_server_fails_alone_and_the_rest_completes(tmp_path):
+    """A line that kills the engine whenever it runs (the poison) once killed the server again at every
+    start on its --state-dir. In flight at two deaths it is a suspect, run alone; a third death while alone
+    fails it, naming the crashes, and the batch and the server go on."""
+    lines = [*chat_lines(5, max_tokens=4), chat_line("poison", "x", max_tokens=4, seed=666)]
+    server = serve(tmp_path, POISON)
+    try:
+        batch_id = submit(client(server.url), jsonl(lines)).id
+        assert server.wait_exit(60) == 1  # the engine died: a fatal stop
+        server.assert_nothing_left()
+    finally:
+        server.close_log()
+    for death in (2, 3):  # in flight at its second death (with others or not), then alone at its third
+        server = serve(tmp_path, POISON, wait_ready=False)  # the batch resumes, and kills it, as it starts
+        try:
+            assert server.wait_exit(60) == 1, f"death {death}"
+            assert port_is_free(server.port)
+            assert not list(runtime_base().glob(f"{PREFIX}{server.pid}-*")), "runtime directory left"
+        finally:
+            server.close_log()
+        rows = dict(journal_rows(tmp_path, "SELECT custom_id, crashes FROM lines WHERE batch_id = ?",
+                                 batch_id))
+        assert rows["poison"] == death - 1  # counted as the next start opens the journal
+    with serve(tmp_path, POISON) as survivor:
+        api = client(survivor.url)
+        done = wait_for(api, batch_id)
+        assert done.status == "completed" and done.request_counts.failed == 1, done
+        answers = outputs(api, done)
+        assert answers["poison"]["error"]["code"] == "line_crashed_the_server"
+        assert all(answers[f"line-{i}"]["response"]["status_code"] == 200 for i in range(5))
+        assert "failed as their cause" in survivor.log()
+        metrics = httpx.get(f"{survivor.url}/metrics").text
+        assert metric_value(metrics, "gracelm_batch_lines_crashed_total") == 1
+    assert integrity(tmp_path) == "ok"

@@ -311,6 +311,31 @@ def test_serve_restart_after_sigterm_hits_the_restored_cache(kv_dir):
     assert_nothing_left()
 
 
+def test_a_restore_that_kills_the_core_is_skipped_at_the_next_start(kv_dir):
+    """A snapshot whose restore kills the engine core would kill every start after it: the start after one
+    that died restoring skips the restore once, says so, and serves; the one after restores again."""
+    model = tiny_model("llama")
+    args = ("--kv-cache-dir", str(kv_dir), "--num-threads", "1", "--stats-interval", "0")
+    body = {"prompt": _prompt(5, 100), "max_tokens": 2, "temperature": 0.0}
+    with ServerProcess(model, *args) as server:
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    crashing = ServerProcess(model, *args, wait_ready=False,
+                             env={"GRACELM_TEST_HOOKS": json.dumps({"test_exit_in_kv_restore": True})})
+    try:
+        assert crashing.wait_exit(60) == 3, crashing.log()[-3000:]  # a start-up failure
+    finally:
+        crashing.close_log()
+    with ServerProcess(model, *args) as server:
+        assert "the last start died while restoring" in server.log()
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert metric_value(metrics, "gracelm_kv_restored_blocks") == 0
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    with ServerProcess(model, *args) as server:
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert metric_value(metrics, "gracelm_kv_restored_blocks") > 0
+    assert_nothing_left()
+
+
 # -- tensor parallelism: each rank its own shard, a block used only if every rank has it ------------------
 
 TP2 = {"tensor_parallel_size": 2, "kv_cache_memory": "4MiB"}

@@ -18,6 +18,13 @@ checkpoint), is paid once per upload. The checksum is verified at every read.
 One process at a time: the journal holds an exclusive `flock` on `DIR/batches.lock` while open (released by
 the kernel when the process dies, even by SIGKILL); a second server on the same DIR fails to start.
 
+Work that kills the server must not come back for ever. A line taken to run is marked in flight in the same
+transaction that counts its attempt, and unmarked with its result, or by `release_lines` at a graceful stop.
+A line found in flight when the journal opens was running when the server died: its `crashes` count grows.
+A line in flight at two deaths is a suspect: `take_lines` leaves it, and the runner runs it alone
+(`take_suspect`). A suspect found in flight after running alone is taken for the cause: failed, with an
+error line that says so (`crash_culprits` counts them for /metrics); the batch and the server go on.
+
 Thread-safe: one connection, used under a lock; the async callers run these methods in a worker thread so
 that an fsync never holds the event loop.
 """
@@ -55,7 +62,12 @@ logger = logging.getLogger(__name__)
 
 DB_NAME = "batches.db"
 LOCK_NAME = "batches.lock"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Deaths of the server with a line in flight that make it a suspect, run alone.
+SUSPECT_AFTER = 2
+CRASHED_LINE = ("line_crashed_the_server", "This request was running, alone, when the server stopped "
+                "abnormally, as it was at {crashes} earlier deaths: it is taken for their cause and not run "
+                "again.")
 # A file's bytes go into the journal this many at a time.
 _CHUNK_BYTES = 1 << 20
 
@@ -93,6 +105,9 @@ CREATE TABLE IF NOT EXISTS lines (
     body TEXT NOT NULL,
     state TEXT NOT NULL,
     attempt INTEGER NOT NULL DEFAULT 0,
+    in_flight INTEGER NOT NULL DEFAULT 0,  -- taken to run, its result not committed
+    crashes INTEGER NOT NULL DEFAULT 0,  -- deaths of the server with it in flight
+    alone INTEGER NOT NULL DEFAULT 0,  -- run alone, a suspect
     PRIMARY KEY (batch_id, line),
     UNIQUE (batch_id, custom_id)
 );
@@ -159,9 +174,14 @@ class Journal:
         # TEST-ONLY: each transaction waits this long before its COMMIT, so that a test's kill lands inside
         # open transactions (`lifecycle/test_hooks.py`).
         self._commit_sleep_s = float(active_test_hooks().get("test_journal_commit_sleep_s", 0))
+        self.crash_culprits = self._settle_crashes()  # lines failed at this open as the cause of crashes
 
     def _check_version(self) -> None:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version == 1:  # the lines' crash bookkeeping, added
+            for column in ("in_flight", "crashes", "alone"):
+                self._db.execute(f"ALTER TABLE lines ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+            version = 0
         if version == 0:
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         elif version != SCHEMA_VERSION:
@@ -299,17 +319,56 @@ class Journal:
                 _set_status(db, batch_id, Status.FAILED)
 
     def take_lines(self, batch_id: str, after: int, limit: int) -> list[Line]:
-        """Up to `limit` queued lines of the batch numbered above `after`, in order, each with its attempt
-        counted (committed before they run); none once the batch is no longer in progress."""
+        """Up to `limit` queued lines of the batch numbered above `after`, in order, suspects left out, each
+        marked in flight with its attempt counted (committed before they run); none once the batch is no
+        longer in progress."""
+        return self._take(batch_id, "line > ? AND crashes < ?", (after, SUSPECT_AFTER), limit, alone=False)
+
+    def take_suspect(self, batch_id: str) -> Line | None:
+        """The batch's first queued suspect, marked in flight alone: the runner runs it with nothing else."""
+        lines = self._take(batch_id, "crashes >= ?", (SUSPECT_AFTER,), 1, alone=True)
+        return lines[0] if lines else None
+
+    def _take(self, batch_id: str, where: str, args: tuple, limit: int, alone: bool) -> list[Line]:
         with self._write() as db:
             if not _status_is(db, batch_id, Status.IN_PROGRESS):  # cancelled meanwhile
                 return []
-            rows = db.execute("SELECT line, custom_id, url, body, attempt FROM lines WHERE batch_id = ? AND "
-                              "state = ? AND line > ? ORDER BY line LIMIT ?",
-                              (batch_id, LineState.QUEUED, after, limit)).fetchall()
-            db.executemany("UPDATE lines SET attempt = attempt + 1 WHERE batch_id = ? AND line = ?",
-                           [(batch_id, row[0]) for row in rows])
+            rows = db.execute(f"SELECT line, custom_id, url, body, attempt FROM lines WHERE batch_id = ? AND "
+                              f"state = ? AND {where} ORDER BY line LIMIT ?",
+                              (batch_id, LineState.QUEUED, *args, limit)).fetchall()
+            db.executemany("UPDATE lines SET attempt = attempt + 1, in_flight = 1, alone = ? "
+                           "WHERE batch_id = ? AND line = ?",
+                           [(int(alone), batch_id, row[0]) for row in rows])
         return [Line(batch_id, n, cid, url, body, attempt + 1) for n, cid, url, body, attempt in rows]
+
+    def release_lines(self, keys: list[tuple[str, int]]) -> None:
+        """Lines stopped at a graceful stop, before their result: queued again, no crash of theirs."""
+        with self._write() as db:
+            db.executemany("UPDATE lines SET in_flight = 0, alone = 0 WHERE batch_id = ? AND line = ?", keys)
+
+    def _settle_crashes(self) -> int:
+        """The lines in flight when the last server died: each one's crash counted, and a suspect that
+        ran alone failed as their cause. Returns how many were failed."""
+        with self._write() as db:
+            culprits = db.execute("SELECT batch_id, line, custom_id, crashes FROM lines WHERE in_flight = 1 "
+                                  "AND alone = 1").fetchall()
+            for batch_id, line, custom_id, crashes in culprits:
+                code, message = CRASHED_LINE
+                output = unanswered_line(custom_id, code, message.format(crashes=crashes))
+                db.execute("INSERT OR REPLACE INTO results (batch_id, line, output) VALUES (?, ?, ?)",
+                           (batch_id, line, json.dumps(output)))
+                db.execute("UPDATE lines SET state = ? WHERE batch_id = ? AND line = ?",
+                           (LineState.FAILED, batch_id, line))
+                logger.error("batch %s line %d (custom_id %r) was running alone when the server died, after "
+                             "%d deaths with it in flight: failed as their cause", batch_id, line, custom_id,
+                             crashes)
+            crashed = db.execute("UPDATE lines SET crashes = crashes + 1 WHERE in_flight = 1 AND alone = 0"
+                                 ).rowcount
+            if crashed:
+                logger.warning("%d batch line(s) were running when the server died; each runs alone once in "
+                               "flight at %d deaths", crashed, SUSPECT_AFTER)
+            db.execute("UPDATE lines SET in_flight = 0, alone = 0 WHERE in_flight = 1")
+        return len(culprits)
 
     def record_results(self, results: list[tuple[str, int, LineState, dict[str, Any]]]) -> None:
         """Lines' results (batch, line, final state, output line), committed together: each line counts as
@@ -317,8 +376,8 @@ class Journal:
         with self._write() as db:
             db.executemany("INSERT INTO results (batch_id, line, output) VALUES (?, ?, ?)",
                            [(b, n, json.dumps(output)) for b, n, _, output in results])
-            db.executemany("UPDATE lines SET state = ? WHERE batch_id = ? AND line = ?",
-                           [(state, b, n) for b, n, state, _ in results])
+            db.executemany("UPDATE lines SET state = ?, in_flight = 0, alone = 0 "
+                           "WHERE batch_id = ? AND line = ?", [(state, b, n) for b, n, state, _ in results])
 
     def begin_finalizing(self, batch_id: str) -> None:
         with self._write() as db:

@@ -73,6 +73,7 @@ class BatchRunner:
         self._in_flight: dict[tuple[str, int], asyncio.Task] = {}
         self._cursor: dict[str, int] = {}  # per batch, the last line started by this process
         self._commits = _GroupCommit(journal, on_committed)
+        self._alone: tuple[str, int] | None = None  # a suspect line running with nothing beside it
         self.lines_answered = 0  # lines this process ran to an answer
 
     def wake(self) -> None:
@@ -105,10 +106,14 @@ class BatchRunner:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
         finally:
-            tasks = list(self._in_flight.values())
+            stopped, tasks = list(self._in_flight), list(self._in_flight.values())
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if stopped and self._state.alive:
+                # A graceful stop: no crash of theirs (after a death they stay in flight: the next start
+                # counts it).
+                await asyncio.to_thread(self._journal.release_lines, stopped)
 
     async def _step(self) -> float | None:
         """Moves every active batch on as far as it can go now; returns how long until the next expiry."""
@@ -165,10 +170,10 @@ class BatchRunner:
         logger.info("batch %s %s", batch.id, final.value)
 
     async def _dispatch(self, batch: BatchRecord) -> bool:
-        """Starts as many of the batch's queued lines as there is room for; False once there is no room left
-        (or the server starts no background work)."""
+        """Starts as many of the batch's queued lines as there is room for, suspects last and each alone
+        (`journal.py`); False once there is no room left (or the server starts no background work)."""
         room = self._concurrency - len(self._in_flight)
-        if room <= 0:
+        if room <= 0 or self._alone is not None:
             return False
         admissions = []
         try:
@@ -180,6 +185,13 @@ class BatchRunner:
             return False
         lines = await asyncio.to_thread(self._journal.take_lines, batch.id, self._cursor.get(batch.id, 0),
                                         len(admissions))
+        if not lines and not self._in_flight:
+            suspect = await asyncio.to_thread(self._journal.take_suspect, batch.id)
+            if suspect is not None:
+                logger.warning("batch %s line %d was in flight at earlier deaths of the server: run alone",
+                               batch.id, suspect.line)
+                self._alone = suspect.key
+                lines = [suspect]
         for line, admission in zip(lines, admissions, strict=False):
             self._cursor[batch.id] = line.line
             self._in_flight[line.key] = asyncio.create_task(self._run_line(line, admission),
@@ -205,6 +217,8 @@ class BatchRunner:
         finally:
             admission.release()
             self._in_flight.pop(line.key, None)
+            if self._alone == line.key:
+                self._alone = None
             self.wake()
 
 

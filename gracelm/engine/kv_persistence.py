@@ -20,6 +20,9 @@ Choices, where the issue is silent (as vLLM/SGLang users would expect of a prefi
   rank 0: no rank ever uses a block whose KV is incomplete. Each rank's file gets 1/N of
   `--kv-cache-dir-size`, so the directory (or all nodes' together) stays within it. `EngineConfig` refuses
   the periodic save with N > 1: the workers would have to copy blocks between the same steps.
+- A restore that kills the core must not come back at every start: `RESTORING` marks the directory while
+  one runs; a start that finds the mark (its predecessor died restoring) skips the restore once, says so,
+  and removes it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -59,6 +63,8 @@ _SAVE_POLL_MS = 10
 _WORKER_COMMIT_S = 5.0
 # The workers' part of a restore at start: reading and checking their files, as long as rank 0's took.
 _WORKER_RESTORE_S = 300.0
+# In the directory while a restore runs (`restore`).
+RESTORING = "restoring"
 
 
 class KVPersistence:
@@ -90,11 +96,23 @@ class KVPersistence:
     # -- start ---------------------------------------------------------------------------------------
 
     def restore(self) -> None:
-        """Fills the empty cache with the snapshot's blocks, most recent first, as far as they fit."""
+        """Fills the empty cache with the snapshot's blocks, most recent first, as far as they fit; skipped
+        once where the last start died restoring (`RESTORING`)."""
+        mark = self.directory / RESTORING
+        if mark.exists():
+            logger.error("kv snapshot: the last start died while restoring from %s; starting with an empty "
+                         "prefix cache this once", self.directory)
+            mark.unlink(missing_ok=True)
+            return
         started = time.monotonic()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+        if active_test_hooks().get("test_exit_in_kv_restore"):  # TEST-ONLY: a restore that kills the core
+            os._exit(5)
         placed = self._restore_own()
         if placed and self.executor.worker_ranks:
             self._keep_complete(placed)
+        mark.unlink(missing_ok=True)
         if self.kv.num_restored_blocks:
             logger.info("kv snapshot: restored %d blocks from %s in %.0f ms", self.kv.num_restored_blocks,
                         self.directory, (time.monotonic() - started) * 1000)

@@ -142,6 +142,8 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
         metrics.set_request_faults(engine.request_faults)
         if runner is not None:
             metrics.set_batches(await runner.progress())
+        if journal is not None:
+            metrics.set_crashed_lines(journal.crash_culprits)
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 

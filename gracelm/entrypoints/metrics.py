@@ -85,6 +85,9 @@ class ServerMetrics:
         self.kv_restored_hits = gauge("kv_restored_block_hits",
                                       "Prefix-cache hits, in blocks, on blocks restored from --kv-cache-dir.")
         self.batches = gauge("batches", "Batches (/v1/batches) not at their end, by status.", ("status",))
+        self.batch_lines_crashed = counter("batch_lines_crashed", "Batch lines failed as the cause of the "
+                                           "server's deaths (in flight at each, the last run alone).",
+                                           vllm=False)
         self.batch_lines = gauge("batch_lines", "Lines of the batches not at their end, by state (queued, "
                                  "running, completed, failed).", ("state",))
         self.lifecycle = gauge("lifecycle_state", "1 for the server's current lifecycle state.", ("state",))
@@ -197,6 +200,10 @@ class ServerMetrics:
         """Brings the fault counter up to the engine's running counts, by stage."""
         for stage, count in counts.items():
             self._count_up(f"request_faults:{stage}", self.request_faults, count, stage=stage)
+
+    def set_crashed_lines(self, count: int) -> None:
+        """The lines this start failed as the cause of crashes (`Journal.crash_culprits`)."""
+        self._count_up("batch_lines_crashed", self.batch_lines_crashed, count)
 
     def set_batches(self, progress: list[dict[str, Any]]) -> None:
         """The batches' progress (`BatchRunner.progress`), as totals over the active batches: the labels stay

@@ -133,7 +133,9 @@ async def _run(engine: AsyncEngine, journal: Journal, batch_id: str) -> int:
         task = asyncio.create_task(runner.run(), name="batch-runner")
         try:
             batch = await _until_end(engine, journal, batch_id, stop, bar)
-            if batch is None:  # stopped: no new line; the running ones aborted, kept queued
+            if batch is None and engine.failed:  # the running lines stay in flight: a crash of theirs
+                state.set(Lifecycle.DEAD)
+            elif batch is None:  # stopped: no new line; the running ones aborted, kept queued
                 state.set(Lifecycle.DRAINING)
                 engine.begin_shutdown(0)
                 await state.wait_idle()

@@ -7,7 +7,9 @@ loads), `test_step_sleep_s` (slow every step), `test_raise_after_steps`, `test_h
 can kill the core half-way through a save). A tensor-parallel worker reads `test_worker_raise_after_steps` and
 `test_worker_hang_after_steps` (raise or hang once it has run that many steps). The engine core's sampling
 reads `test_raise_in_sampling_for_seed`: it raises for the rows of requests with that seed, so that a test
-can show that only that request fails. Children inherit the
+can show that only that request fails, and `test_exit_for_seed`: the core exits at once at a step with such a
+request (work that kills the server); `test_exit_in_kv_restore` makes the core exit while it restores its
+KV snapshot. Children inherit the
 variable, so a test sets it around the start of a server or an engine and the hooks reach the core without
 passing through any configuration.
 """

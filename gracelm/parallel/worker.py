@@ -78,8 +78,10 @@ class Worker:
         self._generators: dict[str, torch.Generator] = {}
         self._constraints: ConstraintStates | None = None  # made at the first constrained request
         self._default_generator = make_generator(config.seed)
-        # TEST-ONLY (`test_raise_in_sampling_for_seed`): sampling raises for rows of requests with that seed.
+        # TEST-ONLY (`test_raise_in_sampling_for_seed`): sampling raises for rows of requests with that seed;
+        # (`test_exit_for_seed`) the process exits at once at a step with such a request: poison work.
         self._faulty_seed = active_test_hooks().get("test_raise_in_sampling_for_seed")
+        self._poison_seed = active_test_hooks().get("test_exit_for_seed")
 
     @property
     def model_config(self) -> ModelConfig:
@@ -218,6 +220,8 @@ class Worker:
                 generators: list[torch.Generator | None]):
         """Samples `rows` of the step, whose logits are `logits` (one row each, in that order)."""
         params = [step.params[row] for row in rows]
+        if self._poison_seed is not None and any(p.seed == self._poison_seed for p in params):
+            os._exit(5)
         if self._faulty_seed is not None and any(p.seed == self._faulty_seed for p in params):
             raise RuntimeError(f"sampling failure injected by the test hook for seed {self._faulty_seed}")
         outputs = [step.output_token_ids[row] for row in rows]
