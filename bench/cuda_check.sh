@@ -71,7 +71,7 @@ tokenizer.add_tokens([f"<x{i}>" for i in range(len(tokenizer), vocab)])
 tokenizer.save_pretrained(directory)
 EOF
 port=18731
-python3 -m gracelm.entrypoints.cli serve "$model" --device cuda --dtype bfloat16 --port "$port" \
+python3 -m gracelm.cli.main serve "$model" --device cuda --dtype bfloat16 --port "$port" \
     --stats-interval 0 > "$OUT/serve.log" 2>&1 &
 server=$!
 ready() { python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/ready', timeout=2)" 2>/dev/null; }

@@ -60,8 +60,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gracelm.config import EngineConfig  # noqa: E402
-from gracelm.entrypoints.server_config import ServerConfig  # noqa: E402
 from gracelm.model.model_files import read_model_config  # noqa: E402
+from gracelm.serving.server_config import ServerConfig  # noqa: E402
 from tests.server_process import ServerProcess, metric_value  # noqa: E402
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the server started below

@@ -87,7 +87,7 @@ def add_arguments(group: argparse._ActionsContainer, cls: type) -> None:
 
 class _Extend(argparse._ExtendAction):
     """Extends the list, and notes the dest and words of this occurrence as `namespace.last_repeated`: a
-    word meant as the positional argument after them is read as one of them (`gracelm.entrypoints.cli`)."""
+    word meant as the positional argument after them is read as one of them (`gracelm.cli.main`)."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         super().__call__(parser, namespace, values, option_string)

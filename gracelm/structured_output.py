@@ -6,7 +6,7 @@ For tool calling and any other caller: to constrain a request by a JSON schema, 
 `response_format: json_schema` takes.
 
 Torch-free: the server has a constraint compiled when the request arrives, in a helper process
-(`entrypoints/grammar_checker.py`: a 400 naming the field), the engine core's worker compiles it again
+(`serving/grammar_checker.py`: a 400 naming the field), the engine core's worker compiles it again
 (`model/token_constraints.py`). The grammar library is llguidance, chosen by
 measurement against xgrammar on this project's CPU host with SmolLM2's tokenizer (49,152 tokens) and a
 six-field JSON schema, mask per decode step: batch 1, 0.014 ms (xgrammar 0.004 ms); batch 32 filled in

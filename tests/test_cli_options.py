@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from gracelm.entrypoints import cli
-from gracelm.entrypoints.chat_template_option import read_chat_template
-from gracelm.entrypoints.generation_defaults import load_generation_defaults
+from gracelm.cli import main as cli
+from gracelm.serving.chat_template_option import read_chat_template
+from gracelm.serving.generation_defaults import load_generation_defaults
 from tests.server_process import GRACELM, ServerProcess
 from tests.tiny_models import tiny_model
 

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from gracelm import options
+from gracelm.cli.main import build_parser
 from gracelm.config import EngineConfig
-from gracelm.entrypoints.cli import build_parser
-from gracelm.entrypoints.server_config import ServerConfig
 from gracelm.lifecycle.supervisor import STOP_MARGIN_S
+from gracelm.serving.server_config import ServerConfig
 
 GRACELM = Path(sys.executable).parent / "gracelm"
 DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"

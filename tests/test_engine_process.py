@@ -64,6 +64,18 @@ def test_core_is_named_ignores_sigint_and_stops_fast(model):
     assert_nothing_left()
 
 
+def test_the_core_is_named_whatever_tmpdir_the_parent_has(model, tmp_path, monkeypatch):
+    """The core's TMPDIR is its runtime directory's; a parent with its own TMPDIR once left the core
+    unnamed (its title set after its environment changed)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    llm = Engine(model, **TINY)
+    try:
+        assert "gracelm::engine-core" in " ".join(psutil.Process(llm._client.process.pid).cmdline())
+    finally:
+        llm.shutdown()
+    assert_nothing_left()
+
+
 def test_killed_core_fails_in_flight_and_later_requests(model):
     engine = AsyncEngine(model, **TINY)
     long_run = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -125,7 +137,7 @@ def test_cli_generate_streams_the_greedy_completion(model):
     with Engine(model, **TINY) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         expected = llm.generate("the cat runs", params, use_tqdm=False)[0].outputs[0].text
-    cli = subprocess.Popen([sys.executable, "-m", "gracelm.entrypoints.cli", "generate", "--model", model,
+    cli = subprocess.Popen([sys.executable, "-m", "gracelm.cli.main", "generate", "--model", model,
                             "--prompt", "the cat runs", "--max-tokens", "16", "--kv-cache-memory", "1MiB"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stdout, stderr = cli.communicate(timeout=120)

@@ -1,4 +1,4 @@
-"""`HttpServer` (entrypoints/http_server.py) against the uvicorn installed.
+"""`HttpServer` (server/http_server.py) against the uvicorn installed.
 
 The subclass replaces two of `uvicorn.Server`'s methods and relies on the rest: that `serve()` enters
 `capture_signals()` and awaits `main_loop()`, that `on_tick(counter)` says when to stop (from `should_exit`)
@@ -25,9 +25,9 @@ import httpx
 import pytest
 import uvicorn
 
-from gracelm.entrypoints.http_server import HttpServer
+from gracelm.server.http_server import HttpServer
 
-RECHECK = "uvicorn changed under gracelm/entrypoints/http_server.py: re-check its overrides against it"
+RECHECK = "uvicorn changed under gracelm/server/http_server.py: re-check its overrides against it"
 # The signals uvicorn's capture_signals takes over on Linux (uvicorn.server.HANDLED_SIGNALS).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # capture_signals appeared in 0.29 (cooperative signal handling, encode/uvicorn#1600); checked on 0.54.0.

@@ -169,8 +169,8 @@ def test_report_table_and_json(tmp_path):
 
 
 def test_a_stop_that_had_to_force_anything_exits_with_the_fatal_code():
-    from gracelm.entrypoints.api_server import stop_exit_code
     from gracelm.lifecycle.exit_codes import ExitCode
+    from gracelm.server.api_server import stop_exit_code
 
     clean = Ledger()
     clean.acquire(ResourceKind.SOCKET, "listener", lambda: None)

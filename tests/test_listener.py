@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from gracelm.entrypoints.api_server import _bind
+from gracelm.server.api_server import _bind
 
 
 def test_accepted_connections_have_tcp_nodelay():

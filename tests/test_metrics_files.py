@@ -1,4 +1,4 @@
-"""Prometheus's multiprocess files reserve every byte they map (`entrypoints/metrics_files.py`): at
+"""Prometheus's multiprocess files reserve every byte they map (`observability/metrics_files.py`): at
 creation and when they grow, and a filesystem without room is an OSError naming the file, never a SIGBUS.
 This also checks that the library's internals the reservation relies on still hold."""
 
@@ -10,7 +10,7 @@ import os
 import pytest
 from prometheus_client import mmap_dict, values
 
-from gracelm.entrypoints.metrics_files import _ReservedMmapedDict, reserve_metric_files
+from gracelm.observability.metrics_files import _ReservedMmapedDict, reserve_metric_files
 
 
 def _reserved(path) -> bool:

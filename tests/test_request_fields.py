@@ -18,8 +18,8 @@ import openai
 import psutil
 import pytest
 
-from gracelm.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from gracelm.entrypoints.request_fields import UNSUPPORTED
+from gracelm.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from gracelm.serving.request_fields import UNSUPPORTED
 from tests.server_process import ServerProcess
 from tests.tiny_models import tiny_model
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from fastapi import Request
 
-from gracelm.entrypoints.api_errors import APIError
-from gracelm.entrypoints.request_guards import api_key_dependency
+from gracelm.server.request_guards import api_key_dependency
+from gracelm.serving.api_errors import APIError
 
 
 def _request(authorization: bytes | None) -> Request:

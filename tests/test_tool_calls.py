@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from gracelm.entrypoints import tool_parsers
-from gracelm.entrypoints.api_errors import APIError
-from gracelm.entrypoints.tool_call_output import StreamedChoice, final_message
-from gracelm.entrypoints.tool_calls import DEFAULT_TOOLS_PROMPT, plan, template_messages
-from gracelm.entrypoints.tool_parsers import Call, Content, merged
+from gracelm.serving import tool_parsers
+from gracelm.serving.api_errors import APIError
+from gracelm.serving.tool_call_output import StreamedChoice, final_message
+from gracelm.serving.tool_calls import DEFAULT_TOOLS_PROMPT, plan, template_messages
+from gracelm.serving.tool_parsers import Call, Content, merged
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

@@ -8,7 +8,7 @@ import logging
 import httpx
 from fastapi import FastAPI
 
-from gracelm.entrypoints.api_errors import install_error_handlers
+from gracelm.serving.api_errors import install_error_handlers
 
 SECRET = "/srv/private/weights.gguf of another request"
 
@@ -30,7 +30,7 @@ def test_a_500_hides_the_exception_and_logs_it_under_an_id(caplog):
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.get("/boom")
 
-    with caplog.at_level(logging.ERROR, logger="gracelm.entrypoints.api_errors"):
+    with caplog.at_level(logging.ERROR, logger="gracelm.serving.api_errors"):
         response = asyncio.run(call())
     assert response.status_code == 500
     error = response.json()["error"]

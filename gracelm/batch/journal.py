@@ -56,7 +56,7 @@ from gracelm.batch.objects import (
     new_id,
     unanswered_line,
 )
-from gracelm.lifecycle.test_hooks import active_test_hooks
+from gracelm.lifecycle.faults import faults
 
 logger = logging.getLogger(__name__)
 
@@ -171,9 +171,6 @@ class Journal:
             raise
         self._mutex = threading.Lock()
         self._closed = False
-        # TEST-ONLY: each transaction waits this long before its COMMIT, so that a test's kill lands inside
-        # open transactions (`lifecycle/test_hooks.py`).
-        self._commit_sleep_s = float(active_test_hooks().get("test_journal_commit_sleep_s", 0))
         self.crash_culprits = self._settle_crashes()  # lines failed at this open as the cause of crashes
 
     def _check_version(self) -> None:
@@ -207,8 +204,7 @@ class Journal:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            if self._commit_sleep_s:
-                time.sleep(self._commit_sleep_s)
+            faults().before_journal_commit()
             self._db.execute("COMMIT")
 
     @contextlib.contextmanager

@@ -1,5 +1,5 @@
 """The batch runner: one asyncio task that takes every batch of the journal from validation to its end, and
-runs their lines through a `LineExecutor` (the online routes' own handling, `entrypoints/batch_lines.py`).
+runs their lines through a `LineExecutor` (the online routes' own handling, `server/batch_lines.py`).
 
 - **Validation**: a validating batch's input file is read (its checksum verified) and checked
   (`validation.py`); it fails with `errors`, or its lines are queued and it is in progress, in one commit.

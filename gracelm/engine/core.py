@@ -18,7 +18,7 @@ Containment: a fault that belongs to one request — its sampling (`Worker.sampl
 the stage) and the loop goes on; anything else that raises in a step (the forward pass, the KV cache, a
 worker) is fatal as above.
 
-Test-only hooks (`lifecycle/test_hooks.py`, never set in production) slow the load or the steps, or make
+Test-only faults (`lifecycle/faults.py`, never set in production) slow the load or the steps, or make
 the loop raise, hang or exit once a number of steps have run, or one request's sampling raise.
 """
 
@@ -43,12 +43,12 @@ from gracelm.engine.request import Request
 from gracelm.engine.request_timings import RequestTimings
 from gracelm.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from gracelm.lifecycle.exit_codes import ExitCode
+from gracelm.lifecycle.faults import faults
 from gracelm.lifecycle.heartbeat import Heartbeat
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.processes import exit_process
 from gracelm.lifecycle.stacks import catches_signal
 from gracelm.lifecycle.startup_objects import freeze_startup_objects
-from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.parallel.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,6 @@ class EngineCoreProc:
         self._deadline: float | None = None
         self._utilities = {"stats": core.stats, "request_timings": core.timings.since}
         self._steps = 0
-        self._hooks = active_test_hooks()
 
     def run(self) -> None:
         """Serves until a `Shutdown`'s deadline passes or nothing is left to finish; then aborts the rest."""
@@ -194,26 +193,10 @@ class EngineCoreProc:
             if self.core.has_unfinished_requests():
                 self._send_outputs(self.core.step())
                 self._steps += 1
-                self._test_hooks()
+                faults().after_core_step(self._steps)
                 self.heartbeat.beat()
         self.core.set_state(CoreState.SHUTTING_DOWN)
         self._send_outputs(self.core.abort_all())
-
-    def _test_hooks(self) -> None:
-        hooks = self._hooks
-        if not hooks:
-            return
-        if hooks.get("test_step_sleep_s"):
-            time.sleep(hooks["test_step_sleep_s"])
-        if self._steps >= hooks.get("test_raise_after_steps", float("inf")):
-            raise RuntimeError(f"failure injected by the test hook after {self._steps} steps")
-        if self._steps >= hooks.get("test_exit_after_steps", float("inf")):
-            logger.warning("exiting with code 5 on purpose (test hook) after %d steps", self._steps)
-            os._exit(5)
-        if self._steps >= hooks.get("test_hang_after_steps", float("inf")):
-            logger.warning("hanging on purpose (test hook) after %d steps", self._steps)
-            while True:
-                time.sleep(3600)
 
     def _receive(self, block: bool) -> None:
         # Blocks only when no request is pending (an idle core costs no CPU); otherwise takes what is there.
@@ -298,10 +281,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.Socket,
            heartbeat: Heartbeat) -> ExitCode:
-    slow_load = active_test_hooks().get("test_slow_load_s")
-    if slow_load:
-        logger.warning("delaying the model load by %.1f s (test hook)", slow_load)
-        time.sleep(slow_load)
+    faults().before_model_load()
     try:
         core = EngineCore(config)
     except Exception as e:

@@ -24,6 +24,7 @@ from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
 from gracelm.engine.core_monitor import CoreMonitor
 from gracelm.engine.errors import EngineDeadError, EngineStartupError
+from gracelm.lifecycle.faults import faults
 from gracelm.lifecycle.heartbeat import Heartbeat
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ResourceReport
 from gracelm.lifecycle.process_end import ProcessEnd
@@ -53,6 +54,7 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig, ledger: Ledger) -> None:
         self.config = config
         self.ledger = ledger
+        faults()  # the core reads them too: a wrong one fails here, naming it, before anything starts
         reclaim_stale()
         self.runtime_dir = RuntimeDir()
         ledger.acquire(ResourceKind.DIRECTORY, f"runtime dir {self.runtime_dir.path}",

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -40,8 +39,8 @@ from typing import TYPE_CHECKING
 
 from gracelm.config import EngineConfig, parse_size
 from gracelm.engine.kv_cache_manager import BLOCK_HASH_ROOT, KVCacheManager
+from gracelm.lifecycle.faults import faults
 from gracelm.lifecycle.ledger import Outcome, ResourceKind, ResourceReport, ShutdownReport
-from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.model import kv_snapshot as snap
 from gracelm.model.file_hash import content_hash
 from gracelm.model.model_files import resolve_model_path
@@ -86,8 +85,7 @@ class KVPersistence:
             "tokenizer_hash": hashlib.sha256(tokenizer.to_dict()["backend"].encode()).hexdigest(),
             "hash_scheme": BLOCK_HASH_ROOT.decode(), "tensor_parallel_size": config.tensor_parallel_size}
         self.fingerprint = snap.fingerprint(**self.fingerprint_inputs, kv_layout=layout, rank=0)
-        delay = active_test_hooks().get("test_kv_snapshot_block_sleep_s")
-        self._block_delay = (lambda: time.sleep(delay)) if delay else None
+        self._block_delay = faults().kv_block_delay()
         self._job: _PeriodicSave | None = None
         self._next_due = time.monotonic() + self.interval
         self._steps_at_save = 0  # the loop's step count when the last periodic save began
@@ -107,8 +105,7 @@ class KVPersistence:
         started = time.monotonic()
         self.directory.mkdir(parents=True, exist_ok=True)
         mark.touch()
-        if active_test_hooks().get("test_exit_in_kv_restore"):  # TEST-ONLY: a restore that kills the core
-            os._exit(5)
+        faults().in_kv_restore()
         placed = self._restore_own()
         if placed and self.executor.worker_ranks:
             self._keep_complete(placed)

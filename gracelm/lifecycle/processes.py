@@ -151,13 +151,16 @@ def _main_module_hidden() -> Iterator[None]:
 
 def _child_main(title: str, parent_pid: int, pdeathsig: bool, death_reader: Connection,
                 target: str, args: tuple, env: dict[str, str]) -> None:
+    # The title first: setproctitle takes over the memory of argv and of the environment as the process
+    # started with it, and an environment changed before (a variable of `env` the parent also has) left the
+    # title unset.
+    _set_title(title)
     os.environ.update(env)
     for sig in STOP_SIGNALS:  # the supervisor alone acts on them
         signal.signal(sig, signal.SIG_IGN)
     faulthandler.enable()
     install_child_stack_dump()
     unblock_child_signals()
-    _set_title(title)
     _die_with_parent(parent_pid, pdeathsig, death_reader)
     module, _, function = target.partition(":")
     getattr(importlib.import_module(module), function)(*args)

@@ -39,7 +39,7 @@ logger = logging.getLogger("gracelm.supervisor")
 _DRAIN_SLACK_S = 10.0
 # Beyond the grace period and the shutdown timeout, how long a graceful stop may take at most: the drain's
 # slack, uvicorn's close of open connections (5 s) and the releases that follow. systemd's and Kubernetes's
-# stop timeouts are made at least that long (`entrypoints/deploy.py`), and so is the notified extension.
+# stop timeouts are made at least that long (`deploy/units.py`), and so is the notified extension.
 STOP_MARGIN_S = _DRAIN_SLACK_S + 10.0
 # How long uvicorn waits for open connections once asked to stop after an immediate stop or a failure.
 _FAST_CLOSE_S = 1.0
@@ -57,7 +57,7 @@ class Supervisor:
         self.shutdown_timeout = shutdown_timeout
         self.drain_grace_period = drain_grace_period
         self.engine = None  # the AsyncEngine, once started
-        self.server = None  # the HTTP server (`entrypoints/http_server.py`), once built
+        self.server = None  # the HTTP server (`server/http_server.py`), once built
         self.failure: str | None = None
         self._immediate = asyncio.Event()
         self._failed = asyncio.Event()

@@ -33,7 +33,7 @@ import torch
 
 import gracelm.cpu_features as cpu_features
 from gracelm.config import EngineConfig, ModelConfig, parse_size
-from gracelm.lifecycle.test_hooks import active_test_hooks
+from gracelm.lifecycle.faults import faults
 from gracelm.model import decode_attention
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
 from gracelm.model.batch_invariant import make_batch_invariant
@@ -78,10 +78,6 @@ class Worker:
         self._generators: dict[str, torch.Generator] = {}
         self._constraints: ConstraintStates | None = None  # made at the first constrained request
         self._default_generator = make_generator(config.seed)
-        # TEST-ONLY (`test_raise_in_sampling_for_seed`): sampling raises for rows of requests with that seed;
-        # (`test_exit_for_seed`) the process exits at once at a step with such a request: poison work.
-        self._faulty_seed = active_test_hooks().get("test_raise_in_sampling_for_seed")
-        self._poison_seed = active_test_hooks().get("test_exit_for_seed")
 
     @property
     def model_config(self) -> ModelConfig:
@@ -220,10 +216,7 @@ class Worker:
                 generators: list[torch.Generator | None]):
         """Samples `rows` of the step, whose logits are `logits` (one row each, in that order)."""
         params = [step.params[row] for row in rows]
-        if self._poison_seed is not None and any(p.seed == self._poison_seed for p in params):
-            os._exit(5)
-        if self._faulty_seed is not None and any(p.seed == self._faulty_seed for p in params):
-            raise RuntimeError(f"sampling failure injected by the test hook for seed {self._faulty_seed}")
+        faults().in_sampling(p.seed for p in params)
         outputs = [step.output_token_ids[row] for row in rows]
         constraints = None
         if any(has_constraints(p) for p in params):

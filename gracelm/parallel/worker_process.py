@@ -24,10 +24,10 @@ import zmq
 
 from gracelm.config import EngineConfig
 from gracelm.lifecycle.exit_codes import ExitCode
+from gracelm.lifecycle.faults import faults
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import exit_process
 from gracelm.lifecycle.startup_objects import freeze_startup_objects
-from gracelm.lifecycle.test_hooks import active_test_hooks
 from gracelm.parallel import messages as m
 from gracelm.parallel.distributed import (
     BACKEND,
@@ -76,7 +76,6 @@ class WorkerProcess:
         self.timer: CommTimer | None = None  # the shard's collective time, kept past the model's release
         self.steps = 0
         self.receive_s = 0.0
-        self._hooks = active_test_hooks()
 
     def run(self, store_host: str, store_port: int) -> int:
         try:
@@ -122,7 +121,7 @@ class WorkerProcess:
                 self.receive_s += max(0.0, time.time() - message.sent_at)
                 self._forward(message)
                 self.steps += 1
-                self._test_hooks()
+                faults().after_worker_step(self.rank, self.steps)
             elif isinstance(message, m.InitKVCache):
                 self.worker.init_kv_cache(message.num_blocks)
                 self.ledger.acquire(ResourceKind.KV_CACHE, f"{message.num_blocks} blocks, rank {self.rank}",
@@ -135,17 +134,6 @@ class WorkerProcess:
                 self._send(restore_shard(self.worker, message))
             elif isinstance(message, m.Stop):
                 return
-
-    def _test_hooks(self) -> None:
-        """Test-only faults of a worker (`lifecycle/test_hooks.py`): raise or hang after some steps."""
-        if self.steps >= self._hooks.get("test_worker_raise_after_steps", float("inf")):
-            raise RuntimeError(f"failure injected by the test hook in worker rank {self.rank} after "
-                               f"{self.steps} steps")
-        if self.steps >= self._hooks.get("test_worker_hang_after_steps", float("inf")):
-            logger.warning("worker rank %d hanging on purpose (test hook) after %d steps", self.rank,
-                           self.steps)
-            while True:
-                time.sleep(3600)
 
     def _forward(self, batch: m.StepBatch) -> None:
         try:

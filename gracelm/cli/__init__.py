@@ -1,0 +1,1 @@
+"""The `gracelm` command: `serve`, `generate`, `run-batch` and `deploy` (`main.py`)."""

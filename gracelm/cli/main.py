@@ -1,0 +1,219 @@
+"""The `gracelm` command: `gracelm serve ...` (the HTTP server), `gracelm generate ...` (one prompt, streamed
+to stdout), `gracelm run-batch -i IN -o OUT ...` (a batch input file run offline, resumably) and `gracelm
+deploy systemd|kubernetes ...` (a unit or manifests for `serve` with the same options, printed). The
+engine's options come from `EngineConfig` and the server's from `ServerConfig`, each declared once
+(`gracelm.options`); a bad value is a usage error (exit code 2) before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import logging
+import sys
+
+from gracelm import options
+from gracelm.config import EngineConfig
+from gracelm.lifecycle.exit_codes import ExitCode
+from gracelm.lifecycle.faults import FaultsError, faults
+from gracelm.serving.server_config import ServerConfig
+
+logger = logging.getLogger("gracelm.cli")
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message, through the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Streams the completion of one prompt to stdout, as it is generated."""
+    from gracelm.engine.async_engine import AsyncEngine
+    from gracelm.sampling_params import SamplingParams
+
+    try:
+        config = options.from_args(EngineConfig, args)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                stop=args.stop)
+    except ValueError as e:
+        print(f"gracelm generate: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    try:
+        engine = AsyncEngine.from_config(config)
+    except Exception as e:
+        print(f"gracelm generate: the engine failed to start: {e}", file=sys.stderr)
+        return ExitCode.STARTUP_FAILURE
+    try:
+        prompt = (engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+                  if args.chat else args.prompt)
+        asyncio.run(_stream(engine, prompt, params))
+    except ValueError as e:
+        print(f"gracelm generate: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    finally:
+        engine.shutdown(timeout=0)
+    return ExitCode.CLEAN_STOP
+
+
+async def _stream(engine, prompt: str | list[int], params) -> None:
+    async for output in engine.generate(prompt, params, request_id="cli", delta=True):
+        sys.stdout.write(output.outputs[0].text if output.outputs else "")
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def _add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-i", "--input-file", required=True, help="the batch input file (OpenAI's JSONL)")
+    parser.add_argument("-o", "--output-file", required=True, help="where the output JSONL is written")
+    parser.add_argument("--state-dir", default=None, help="the journal's directory, kept to resume "
+                                                          "(default: OUTPUT_FILE.state)")
+    options.add_arguments(parser.add_argument_group("model and engine"), EngineConfig)
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    # The engine and the serving code: imported only to run a batch.
+    from gracelm.cli.run_batch import run_batch as run
+
+    return run(args)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        _merge_model_argument(args)
+        engine_config = options.from_args(EngineConfig, args)
+        server_config = ServerConfig.from_args(args)
+    except ValueError as exc:
+        logger.error("invalid options: %s", exc)
+        return ExitCode.USAGE
+    if engine_config.nnodes > 1 and engine_config.node_rank > 0:
+        # A node other than node 0 serves no HTTP: it runs its tensor-parallel worker ranks for node 0.
+        from gracelm.parallel.headless import run_headless
+
+        return run_headless(engine_config)
+    # The server's module pulls in FastAPI and uvicorn: imported only to serve.
+    from gracelm.server.api_server import run_server
+
+    return run_server(engine_config, server_config)
+
+
+def _merge_model_argument(args: argparse.Namespace) -> None:
+    """`gracelm serve MODEL` and `gracelm serve --model MODEL` mean the same; both at once must agree."""
+    positional = args.model_path
+    if positional is None:
+        positional = _trailing_model(args)
+    if positional is None:
+        return
+    given = getattr(args, "model", None)
+    if given is not None and given != positional:
+        raise ValueError(f"two different models given: {positional!r} and --model {given!r}")
+    args.model = positional
+
+
+def _trailing_model(args: argparse.Namespace) -> str | None:
+    """MODEL after a repeatable option's values (`serve --api-key a b MODEL`) is read by argparse as one
+    more value. The rule: when no model is named otherwise and the command line ends with an occurrence
+    of a repeatable option that took two words or more, its last word is MODEL (so `--api-key KEY MODEL`
+    means what it meant when the option took one value); `--api-key a --api-key b` keeps both as keys."""
+    last = getattr(args, "last_repeated", None)
+    if last is None or getattr(args, "model", None) is not None:
+        return None
+    dest, words = last
+    if len(words) < 2 or getattr(args, "argv", [])[-len(words):] != words:
+        return None
+    getattr(args, dest).pop()
+    return words[-1]
+
+
+def run_deploy(args: argparse.Namespace) -> int:
+    """Prints the unit or the manifests; a value that cannot be deployed is a usage error."""
+    from gracelm.deploy.units import render
+
+    try:
+        _merge_model_argument(args)
+        text = render(args.target, args)
+    except ValueError as exc:
+        print(f"gracelm deploy {args.target}: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    sys.stdout.write(text)
+    return ExitCode.CLEAN_STOP
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                        help="a Hugging Face model directory or a .gguf file (same as --model)")
+    options.add_arguments(parser.add_argument_group("model and engine"), EngineConfig)
+    options.add_arguments(parser.add_argument_group("HTTP server"), ServerConfig)
+
+
+def _add_deploy_parsers(commands: argparse._SubParsersAction) -> None:
+    from gracelm.deploy.config import TARGETS
+
+    deploy = commands.add_parser("deploy", help="print a systemd unit or Kubernetes manifests for `serve`")
+    targets = deploy.add_subparsers(dest="target", required=True)
+    for target, config in TARGETS.items():
+        parser = targets.add_parser(target, help=f"print the {target} files for `gracelm serve` with these "
+                                                 f"options")
+        _add_serve_arguments(parser)
+        options.add_arguments(parser.add_argument_group(f"{target} deployment"), config)
+        parser.set_defaults(handler=run_deploy)
+
+
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an unknown argument is its usage error (its usage, exit code 2), not the top
+    level's, which would print `gracelm`'s usage instead of the subcommand's."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gracelm", description="An LLM inference server.")
+    parser.add_argument("--version", action="version", version=f"gracelm {_installed_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_serve_arguments(serve)
+    serve.set_defaults(handler=run_serve)
+    generate = commands.add_parser("generate", help="generate from one prompt, streamed to stdout")
+    options.add_arguments(generate.add_argument_group("model and engine"), EngineConfig)
+    _add_generate_arguments(generate)
+    generate.set_defaults(handler=run_generate)
+    batch = commands.add_parser("run-batch", help="run an OpenAI batch input file offline, resumably")
+    _add_run_batch_arguments(batch)
+    batch.set_defaults(handler=run_batch)
+    _add_deploy_parsers(commands)
+    return parser
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("gracelm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # read by `_trailing_model`
+    level = logging.INFO if args.command == "serve" else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        faults()  # a misspelled test fault refuses the start, before anything loads
+    except FaultsError as e:
+        print(f"gracelm: error: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

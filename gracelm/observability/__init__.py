@@ -1,0 +1,2 @@
+"""What the server tells about itself: Prometheus metrics, their multiprocess files and the periodic stats
+log line."""

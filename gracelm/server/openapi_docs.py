@@ -1,0 +1,123 @@
+"""What `/openapi.json` says beyond what FastAPI sees by itself: the request body of each generation route
+(parsed by the route, not by FastAPI, for its own error messages and JSON-only content types), every
+status a route can answer with OpenAI's error body, and the bodies of the probes. The schema is what the
+fuzzing test (`tests/test_schema_fuzz.py`) holds the server to: an undocumented status is a failure there.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode
+
+from gracelm.serving.openai_protocol import ErrorResponse
+
+_REF_TEMPLATE = "#/components/schemas/{model}"
+
+# Every error status the server answers, with OpenAI's error body; a route lists those it can give.
+_ERRORS: dict[int, str] = {
+    400: "Invalid request: not JSON, a field of the wrong type, a value out of range or over a limit, a "
+         "prompt that does not fit the context (`param` names the field).",
+    401: "Missing or wrong API key (only when the server has one).",
+    404: "The `model` asked for is not the one served; the file or batch named does not exist; or (files and "
+         "batches) the server keeps no state directory (`--state-dir`).",
+    409: "The batch is at its end, or finalizing, and cannot be cancelled.",
+    413: "The request body exceeds `--max-request-body-bytes` (a file upload: `--max-upload-bytes`).",
+    415: "The body is not declared as JSON (`Content-Type`).",
+    500: "A bug (a generic message and an error id; the details are in the server's log), or the engine "
+         "died while serving the request.",
+    503: "The server takes no new requests (draining, stopping) or too many wait to start "
+         "(`--max-waiting-requests`); `Retry-After` says when to retry. Also a request aborted by a stop.",
+}
+
+
+class HealthStatus(BaseModel):
+    status: str
+    state: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    state: str
+
+
+class VersionInfo(BaseModel):
+    version: str
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route that can answer these error statuses."""
+    return {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
+
+
+def answers(model: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route answering `model`, or these error statuses."""
+    return {200: {"model": model}, **errors(*statuses)}
+
+
+def plain_text(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route answering plain text (with `response_class=Response`, so that FastAPI
+    adds no JSON answer of its own), or these error statuses."""
+    return {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **errors(*statuses)}
+
+
+def probe(model: type[BaseModel], unhealthy: str) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a probe: `model` both as 200 and as 503 (`unhealthy` says when)."""
+    return {200: {"model": model}, 503: {"model": model, "description": unhealthy}, **errors(500)}
+
+
+def generation(answer: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a generation route: `answer` as JSON, or with `stream: true` server-sent events
+    whose data are `chunk`s, an error body if the request did not end well, then `[DONE]`."""
+    payload = {"anyOf": [_schema(chunk, "serialization"), _schema(ErrorResponse, "serialization")]}
+    data = {"type": "string", "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json", "contentSchema": payload}}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    ok = {"model": answer, "content": {"text/event-stream": {"schema": event}},
+          "description": "The answer; with `stream: true`, server-sent events: the chunks, an error body if "
+                         "the request did not end well, then `[DONE]`."}
+    return {200: ok, **errors(400, 401, 404, 413, 415, 500, 503)}
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The `openapi_extra=` of a route that parses `model` from its JSON body itself. The nested models'
+    schemas go to the schema's components when the app's schema is built (`install_openapi`)."""
+    schema = _schema(model, "validation")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _schema(model: type[BaseModel], mode: JsonSchemaMode) -> dict[str, Any]:
+    """`model`'s JSON schema with its nested models as `$defs` that refer to the components (`install_openapi`
+    moves them there)."""
+    return model.model_json_schema(ref_template=_REF_TEMPLATE, mode=mode)
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Makes the app's OpenAPI schema keep the models nested in the schemas of `json_body` and `generation`
+    in its components, where their references point."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = copy.deepcopy(build())  # the routes' own dicts (`openapi_extra`, `responses`) stay whole
+            _move_defs(schema["paths"], schema.setdefault("components", {}).setdefault("schemas", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
+
+
+def _move_defs(node: Any, components: dict[str, Any]) -> None:
+    """Moves every `$defs` under `node` to `components`; a model FastAPI documented already keeps FastAPI's
+    schema (the same model)."""
+    if isinstance(node, list):
+        for item in node:
+            _move_defs(item, components)
+    elif isinstance(node, dict):
+        for name, definition in node.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        for value in node.values():
+            _move_defs(value, components)

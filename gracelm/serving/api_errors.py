@@ -1,0 +1,107 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the right status."""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gracelm.lifecycle.server_state import AdmissionRefused
+from gracelm.serving.openai_protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's error types by status; clients (the official SDKs) map statuses to exception classes.
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error the client gets as an OpenAI error body; raised anywhere in a route."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=_TYPES.get(self.status, "invalid_request_error"),
+                         param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+) ")
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    """A 400 for an invalid value; `SamplingParams` names the field first ("SamplingParams.top_p must...")."""
+    message = str(exc)
+    m = _SAMPLING_FIELD.match(message)
+    return APIError(400, message, param=m.group(1) if m else None, code="invalid_value")
+
+
+def from_validation_error(exc: pydantic.ValidationError) -> APIError:
+    """A 400 naming the first offending field, or saying the body is not JSON."""
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    unknown = [".".join(map(str, e["loc"])) for e in exc.errors() if e["type"] == "extra_forbidden"]
+    if unknown:  # OpenAI's words, which clients match
+        plural = "s" if len(unknown) > 1 else ""
+        return APIError(400, f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}",
+                        param=unknown[0], code="unrecognized_argument")
+    param = ".".join(str(part) for part in first["loc"]) or None
+    message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Makes every error the app can produce, ours or the framework's, leave in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(AdmissionRefused)
+    async def _refused(_: Request, exc: AdmissionRefused) -> JSONResponse:
+        headers = {"Retry-After": "1", **({"Connection": "close"} if exc.close else {})}
+        return APIError(503, str(exc), code=exc.code, headers=headers).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return APIError(400, str(first.get("msg", "invalid request")), param=param,
+                        code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return unexpected_error(request.url.path).response()
+
+
+def unexpected_error(path: str) -> APIError:
+    """A 500 for a bug: the client gets a generic message and an id, the log the traceback under that id
+    (an exception's text may carry internals, such as paths or values of other requests). Call it from
+    an `except` block."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    logger.exception("unexpected error %s while serving %s", error_id, path)
+    return APIError(500, f"internal server error (id {error_id}); the details are in the server's log",
+                    code="internal_error")

@@ -1,0 +1,353 @@
+"""What the chat and completion endpoints share: sampling parameters from a request, the prompt's checks,
+admission, running a request in the engine with its metrics, watching the client so that a disconnect
+aborts the request at once, and SSE framing. Each endpoint writes its own SSE loop over the engine's deltas.
+Who sent the request (an HTTP client or a batch line) is a `RequestClient` (`request_client.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import msgspec
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from gracelm.engine.async_engine import AsyncEngine
+from gracelm.engine.errors import EngineDeadError
+from gracelm.engine.outputs import CompletionOutput, RequestOutput
+from gracelm.engine.request import PromptError, check_priority, context_overflow_message
+from gracelm.lifecycle.server_state import ServerState
+from gracelm.observability.metrics import ServerMetrics
+from gracelm.sampling_params import SamplingParams
+from gracelm.serving import prompt_batch
+from gracelm.serving.api_errors import APIError, from_value_error
+from gracelm.serving.constraint_fields import constraint_fields
+from gracelm.serving.grammar_checker import GrammarChecker
+from gracelm.serving.openai_protocol import SamplingFields, Usage
+from gracelm.serving.request_client import HeldAdmission, RequestClient
+from gracelm.serving.request_limits import RequestLimits
+from gracelm.serving.serving_options import ServingOptions
+
+logger = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+class ServingBase:
+    """One endpoint's access to the engine; subclasses turn requests and outputs into OpenAI's shapes."""
+
+    def __init__(self, engine: AsyncEngine, state: ServerState, metrics: ServerMetrics,
+                 served: ServingOptions, limits: RequestLimits, grammars: GrammarChecker) -> None:
+        self.engine = engine
+        self.state = state
+        self.metrics = metrics
+        self.served = served
+        self.model_name = served.model_name
+        self.limits = limits
+        self.grammars = grammars
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested not in self.served.model_names:
+            names = ", ".join(f"`{name}`" for name in self.served.model_names)
+            raise APIError(404, f"the model `{requested}` does not exist; this server serves {names}",
+                           param="model", code="model_not_found")
+
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        """`--max-logprobs` bounds `logprobs` (completions) and `top_logprobs` (chat)."""
+        limit = self.served.max_logprobs
+        if value is not None and not 0 <= value <= limit:
+            raise APIError(400, f"{param} must be between 0 and {limit} (this server's --max-logprobs), got "
+                                f"{value}", param=param, code="limit_exceeded")
+
+    async def sampling_params(self, req: SamplingFields, *, max_tokens: int | None,
+                              logprobs: int | None) -> SamplingParams:
+        """The request's sampling; its structured-output constraint compiled (a 400 naming its field)."""
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self.limits.check_stop(stop)
+        fields = dict(n=req.n, max_tokens=max_tokens, seed=req.seed, stop=stop,
+                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                      ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
+                      logprobs=logprobs, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                      min_p=req.min_p, repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+                      include_stop_str_in_output=req.include_stop_str_in_output,
+                      skip_special_tokens=req.skip_special_tokens,
+                      spaces_between_special_tokens=req.spaces_between_special_tokens)
+        # Fields the client left out take the model's generation defaults (--generation-config), if any,
+        # else SamplingParams' own; max_tokens left out runs to the end of the context.
+        defaults = self.served.defaults
+        fields = {k: defaults[k] if v is None and k in defaults else v for k, v in fields.items()}
+        fields = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
+        constraints, field = constraint_fields(req, self.engine.model_config.vocab_size)
+        fields.update(constraints)
+        try:
+            params = SamplingParams(**fields)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        self._check_min_tokens(params)
+        if field is not None:
+            await self.grammars.check(params.structured_outputs, field, params.allowed_token_ids)
+        return params
+
+    def _check_min_tokens(self, params: SamplingParams) -> None:
+        """`min_tokens` holds the tokens that end a generation: with `allowed_token_ids` all such tokens, no
+        token would be left (a 400, never a token outside the set)."""
+        if not params.min_tokens or params.allowed_token_ids is None:
+            return
+        ending = set(self.engine.tokenizer.eos_token_ids) | set(params.stop_token_ids)
+        if set(params.allowed_token_ids) <= ending:
+            raise APIError(400, "min_tokens: every token of allowed_token_ids ends the generation, which "
+                                "min_tokens holds off: no token could be generated", param="min_tokens",
+                           code="invalid_value")
+
+    def check_room(self, prompt_token_ids: list[int], max_tokens: int | None) -> None:
+        """Room for `max_tokens` after a prompt that fits: a 400 naming max_tokens, in OpenAI's words. The
+        prompt itself is the engine's to check (`start`), once."""
+        limit = self.engine.config.max_model_len
+        assert limit is not None
+        if max_tokens is not None and len(prompt_token_ids) <= limit < len(prompt_token_ids) + max_tokens:
+            raise APIError(400, context_overflow_message(limit, len(prompt_token_ids), max_tokens),
+                           param="max_tokens", code="context_length_exceeded")
+
+    async def start(self, client: RequestClient, prompts: list[list[int]], params: SamplingParams,
+                    request_id: str, prompt_param: str, *, priority: int = 0) -> Run:
+        """Admits the request (as `client` is admitted) and starts each of its prompts in the engine
+        (several only for a batch of completions prompts: one engine request each, `prompt_batch.py`), which
+        checks them (a 400 naming `prompt_param`), at `priority` (lower runs first; a 400 naming `priority`
+        outside its range). Its deltas come with metrics; closing them aborts the request. The admission is
+        released when the answer ends (`sse`, `final_output`); it is marked started at the first output."""
+        try:
+            check_priority(priority)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="priority", code="invalid_value") from None
+        admission = client.admit(self.state)
+        if self.served.log_requests:
+            logger.info("request %s: %s prompt tokens, %s%s", request_id,
+                        "+".join(str(len(p)) for p in prompts), _params_summary(params),
+                        f", priority {priority}" if priority else "")
+        engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = []
+        try:
+            for engine_id, ids in zip(engine_ids, prompts, strict=True):
+                deltas = self.engine.generate(ids, params, engine_id, delta=True, priority=priority)
+                streams.append(self._tracked(deltas, len(ids), params, admission))
+        except BaseException as exc:
+            admission.release()
+            for engine_id in engine_ids[:len(streams)]:
+                await self.engine.abort(engine_id)
+            if isinstance(exc, PromptError):
+                code = "context_length_exceeded" if exc.too_long else "invalid_prompt"
+                param = prompt_param if len(prompts) == 1 else f"{prompt_param}.{len(streams)}"
+                raise APIError(400, str(exc), param=param, code=code) from None
+            if isinstance(exc, EngineDeadError):
+                raise _engine_dead(exc) from None
+            if isinstance(exc, ValueError):  # the id is in use by a request in flight
+                raise APIError(400, f"{exc}; send another X-Request-Id or request_id", param="request_id",
+                               code="invalid_value") from None
+            raise
+        merged = streams[0] if len(streams) == 1 else prompt_batch.merged(request_id, streams, params.n)
+        return Run(request_id, admission, merged)
+
+    async def _tracked(self, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
+                       params: SamplingParams, admission: HeldAdmission) -> AsyncGenerator[RequestOutput]:
+        tracker = self.metrics.request_tracker(num_prompt_tokens, params.n, params.max_tokens)
+        finish_reasons: dict[int, str | None] = {}
+        try:
+            async with contextlib.aclosing(deltas) as outs:
+                async for delta in outs:
+                    admission.started()
+                    tracker.on_output(sum(len(o.token_ids) for o in delta.outputs))
+                    finish_reasons.update((o.index, o.finish_reason) for o in delta.outputs)
+                    yield delta
+        except EngineDeadError as exc:
+            raise _engine_dead(exc) from None
+        finally:
+            if finish_reasons:  # a request that never produced anything is not counted
+                tracker.on_finish(list(finish_reasons.values()))
+
+    async def final_output(self, client: RequestClient, run: Run) -> RequestOutput:
+        """The whole answer of a request, unless the client leaves first: then the request is aborted."""
+        try:
+            return await self._final_output(client, run.deltas)
+        finally:
+            run.admission.release()
+
+    async def _final_output(self, client: RequestClient,
+                            deltas: AsyncGenerator[RequestOutput]) -> RequestOutput:
+        collect = asyncio.ensure_future(_whole(deltas))
+        disconnect = asyncio.ensure_future(client.disconnected())
+        try:
+            await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (collect, disconnect):
+                task.cancel()
+        if not collect.done() or collect.cancelled():
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
+            await deltas.aclose()  # aborts the request in the engine, also if the task never started
+            logger.info("client disconnected; request aborted")
+            raise APIError(499, "the client closed the connection", code="client_closed_request")
+        final = collect.result()
+        if any(o.finish_reason == "error" for o in final.outputs):
+            raise failed_error(final.request_id)
+        if any(o.finish_reason == "abort" for o in final.outputs):
+            raise aborted_error()
+        return final
+
+    @staticmethod
+    def sse(events: AsyncGenerator[str], run: Run) -> StreamingResponse:
+        """The response of an endpoint's SSE events over `run`, ended as every stream ends (`_ended`)."""
+        return _AdmittedStream(_ended(events), run)
+
+
+@dataclasses.dataclass
+class Run:
+    """A request started in the engine: its id, its admission, and its deltas."""
+
+    request_id: str
+    admission: HeldAdmission
+    deltas: AsyncGenerator[RequestOutput]
+
+
+class StreamTally:
+    """What a stream's loop counts as it goes: completion tokens (for the usage chunk) and whether the
+    server aborted the request or a fault ended it (for the error event it then ends with)."""
+
+    def __init__(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.completion_tokens = 0
+        self.aborted = False
+        self.failed = False
+
+    def add(self, output: CompletionOutput) -> None:
+        self.completion_tokens += len(output.token_ids)
+        self.aborted = self.aborted or output.finish_reason == "abort"
+        self.failed = self.failed or output.finish_reason == "error"
+
+    def error_event(self, request_id: str) -> str | None:
+        """The event after the last chunk of a request that did not end well: never a silent end after
+        half an answer."""
+        if self.failed:
+            return sse_data(failed_error(request_id).body())
+        if self.aborted:
+            return sse_data(aborted_error().body())
+        return None
+
+    def usage(self) -> Usage:
+        return usage_of(self.num_prompt_tokens, self.completion_tokens)
+
+
+async def _ended(events: AsyncGenerator[str]) -> AsyncGenerator[str]:
+    """`events`, then an error event if they raised an `APIError` (the engine died), and `[DONE]` in every
+    case. Closing this closes `events`, which aborts the request in the engine."""
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                yield event
+        except APIError as exc:
+            yield sse_data(exc.body())
+    yield DONE
+
+
+class _AdmittedStream(StreamingResponse):
+    """An SSE response that, however it ends (done, client gone, cancelled, never started), closes its
+    events and the request's deltas, which aborts the request in the engine at once, and releases the
+    request's admission."""
+
+    def __init__(self, events: AsyncGenerator[str], run: Run) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self._run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            await self._run.deltas.aclose()
+            self._run.admission.release()
+
+
+def _params_summary(params: SamplingParams) -> str:
+    """The sampling fields a request set (those unlike the defaults), for the request log line: numbers and
+    flags as they are; text (stop strings, bad words, a constraint's schema, regex or grammar) never, but
+    its size and a hash; collections by their size."""
+    fields = msgspec.structs.asdict(params)
+    shown = {k: _summary(v) for k, v in fields.items() if v != getattr(_DEFAULT_PARAMS, k)}
+    return ", ".join(f"{k}={v}" for k, v in shown.items()) or "default sampling"
+
+
+def _summary(value: object) -> str:
+    """A request-supplied value as the log may show it: bounded, without its text, on one line."""
+    if value is None or isinstance(value, bool | int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return f"<{len(value)} chars, sha256 {hashlib.sha256(value.encode()).hexdigest()[:12]}>"
+    if isinstance(value, msgspec.Struct):  # structured outputs: which kind, and its text's summary
+        set_fields = {k: v for k, v in msgspec.structs.asdict(value).items() if v not in (None, False)}
+        return "{" + ", ".join(f"{k}: {_summary(v)}" for k, v in set_fields.items()) + "}"
+    if isinstance(value, list | tuple | dict):
+        return f"<{len(value)} items>"
+    return f"<{type(value).__name__}>"
+
+
+_DEFAULT_PARAMS = SamplingParams()
+
+
+def sse_data(payload: BaseModel | dict | str, exclude: set[str] | None = None) -> str:
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json(exclude=exclude)
+    elif isinstance(payload, dict):
+        text = json.dumps(payload)
+    else:
+        text = payload
+    return f"data: {text}\n\n"
+
+
+def usage_of(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                 total_tokens=num_prompt_tokens + num_completion_tokens)
+
+
+def final_usage(num_prompt_tokens: int, final: RequestOutput) -> Usage:
+    """The usage of a whole answer: every choice's tokens."""
+    return usage_of(num_prompt_tokens, sum(len(o.token_ids) for o in final.outputs))
+
+
+def aborted_error() -> APIError:
+    """What a request the server aborted gets: never a 200 with half an answer (vLLM #57082)."""
+    return APIError(503, "the request was aborted by the server before it finished", code="request_aborted")
+
+
+def failed_error(request_id: str) -> APIError:
+    """What a request ended by a fault of its own gets (finish_reason "error"; the engine serves on): the
+    details are in the server's log under the request's id."""
+    return APIError(500, f"request {request_id} failed in the engine; the details are in the server's log "
+                         f"under its id", code="request_failed")
+
+
+def _engine_dead(exc: EngineDeadError) -> APIError:
+    return APIError(500, f"the engine is dead: {exc}", code="engine_dead")
+
+
+async def _whole(deltas: AsyncIterator[RequestOutput]) -> RequestOutput:
+    whole: RequestOutput | None = None
+    async for delta in deltas:
+        if whole is None:
+            whole = delta
+        else:
+            whole.add(delta)
+    if whole is None:
+        raise APIError(500, "the engine returned no output")
+    return whole
