@@ -1,4 +1,4 @@
-"""Decode paths on CPU, measured against each other (see docs/architecture.md, "Decode attention" and "Decode
+"""Decode paths on CPU, measured against each other (see docs/performance.md, "Decode attention" and "Decode
 paths measured and not taken").
 
     .venv/bin/python bench/decode_paths.py attention --batches 1,8,32,64 --contexts 128,512,2048

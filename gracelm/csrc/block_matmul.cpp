@@ -20,8 +20,8 @@ namespace {
 using namespace gracelm::blocks;
 
 // From this many rows on, two tiles are computed together, 6 rows at a time; below, one tile, 8 rows at a
-// time (all their sums stay in registers). Two tiles share each broadcast of 4 activations: 7-12 % faster at
-// 24-48 rows, 3 % slower at 16, on the default model's matrices (Zen 5).
+// time (all their sums stay in registers). Two tiles share each broadcast of 4 activations: faster at 24 rows
+// and more, slower at 16 (bench/RESULTS.md, "Weight kernels").
 constexpr int64_t kWideRows = 24;
 
 #define GRACELM_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))

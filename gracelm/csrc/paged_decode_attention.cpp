@@ -4,7 +4,7 @@
 // paged KV cache (no gathered copy of the keys or values), with the scores and the weighted sum of values
 // accumulated in float32. One task per (sequence, KV head) computes all the query heads that share that KV
 // head (GQA): each key and value row is read once for all of them. Why a hand-written kernel, and what it
-// is measured against: docs/architecture.md, "Decode attention".
+// is measured against: docs/performance.md, "Decode attention".
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

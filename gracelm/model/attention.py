@@ -9,10 +9,10 @@ Decode tokens (query length 1) of all sequences: on the CPU, with a bfloat16 or 
 kernel of `decode_attention.py` attends them straight from the cache blocks, every sum in float32
 (`QueryGroup.fused`). Elsewhere, and in batch-invariant mode, they go through one batched, masked computation
 in the cache's dtype when it is bfloat16 or float32 (`_group_attention`): scores by a batched matmul over
-the gathered keys (oneDNN's bf16 `bmm` is 4-6x faster than float32 at these shapes and needs no converting
-copy of the cache), values summed by an `embedding_bag` straight from the cache. bf16 products accumulate in
-float32; only the scores and probabilities are rounded to bf16 (on SmolLM2 the mean logit error against
-float32 grows by about 10 %, top-1 agreement unchanged). The softmax runs in float32.
+the gathered keys (oneDNN's bf16 `bmm` is several times faster than float32 at these shapes and needs no
+converting copy of the cache), values summed by an `embedding_bag` straight from the cache. bf16 products
+accumulate in float32; only the scores and probabilities are rounded to bf16, which leaves top-1 agreement
+with float32 unchanged. The softmax runs in float32.
 Prefill chunks attend in float32. Short chunks that begin their sequence (no context in the cache), all
 together, by batched matmuls and a softmax over padded rows (`PrefillBatch`); every other chunk alone, by
 `scaled_dot_product_attention` (its bf16 kernel is several times slower on CPU), over its gathered blocks
@@ -64,8 +64,8 @@ def allocate_kv_cache(
 
 def _zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor over fresh anonymous memory: the kernel's pages are zero already and are only
-    mapped in when first written, so a cache of a gigabyte costs no memset at start (`torch.zeros` took
-    1-2 s for the default model's 1 GiB). A serving worker then maps the pages in the background, off the
+    mapped in when first written, so a cache of a gigabyte costs no memset at start (`torch.zeros` would
+    write every page). A serving worker then maps the pages in the background, off the
     start and off the steps (`kv_cache_commit.py`). The tensor keeps the mapping alive; it is unmapped with
     the tensor's last reference."""
     count = math.prod(shape)
@@ -90,10 +90,10 @@ _PREFILL_TILE = 64
 _MIN_SCORE_ROWS = 3
 _MIN_KEYS = 16
 # Chunks up to this long that begin their sequence are attended in a batch (`PrefillBatch`), padded to it;
-# longer ones by SDPA, as before the batch, whose rounding the default model's chat answers were checked
-# against: its answer to "What is the capital of France?" (37 tokens) sits on a near tie ("The" 25.50
-# against "L" 25.375 through SDPA; 25.375 each through the batch's matmuls, and "L'Étoile, ..." wins) that
-# any other float32 rounding of its attention may flip.
+# longer ones by SDPA (torch's softmax over rows of 16 is several times faster than over rows of 13, hence
+# the padding). Longer chunks keep SDPA's rounding: any other float32 rounding of the attention moves a long
+# prompt's logits, and a chat answer that sits on a near tie would change (the tests pin such answers;
+# docs/performance.md, "Prefill attention").
 _BATCHED_PREFILL = 16
 
 
@@ -135,12 +135,12 @@ class PrefillSpan:
 class PrefillBatch:
     """The chunks of at most `_BATCHED_PREFILL` tokens that begin their sequence, each padded at its end to
     that many rows (with copies of its last row), attended together by one causal attention of batched
-    matmuls (`_batched_prefill_attention`). Why: 32 prompts of ~10 tokens cost SDPA 960 calls a forward
-    pass, a third of its time, one sequence at a time; and torch's softmax over a row of 13 is 8x slower
-    than over 16. The padding changes no real row: a padded key lies after every real query of its chunk,
-    where the causal mask hides it. Every chunk pads alike and a batched matmul computes each of its
-    matrices alike whatever the batch, so a prompt gets the same bits beside others as alone (a chunk alone
-    comes this way too, though SDPA would be faster for it: 50 against 74 us a layer at 8 rows)."""
+    matmuls (`_batched_prefill_attention`). Why: one SDPA call per sequence and layer spends a wave of short
+    prompts' forward pass in call overhead, and torch's softmax over a row of 13 is several times slower than
+    over 16. The padding changes no real row: a padded key lies after every real query of its chunk, where
+    the causal mask hides it. Every chunk pads alike and a batched matmul computes each of its matrices alike
+    whatever the batch, so a prompt gets the same bits beside others as alone (a chunk alone comes this way
+    too, though SDPA would be a little faster for it)."""
 
     gather: torch.Tensor  # [count * _BATCHED_PREFILL] token rows, chunk after chunk, each padded
     real: torch.Tensor  # [tokens] the real rows' places in that padded order
@@ -308,8 +308,8 @@ def _group_attention(
     cache): one masked matmul-softmax-weighted sum for all the group's rows.
 
     Scores: the keys are gathered (one copy), then one batched matmul. Values: never gathered, an
-    `embedding_bag` sums the probability-weighted value rows straight out of the cache, 3-4x faster than
-    gathering them for a matmul. Both read bf16 and accumulate in float32."""
+    `embedding_bag` sums the probability-weighted value rows straight out of the cache, several times faster
+    than gathering them for a matmul. Both read bf16 and accumulate in float32."""
     num_rows, num_heads, head_dim = q.shape
     _, kv_heads, num_blocks, block_size, _ = kv_cache.shape
     queries = group.queries

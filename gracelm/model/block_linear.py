@@ -17,30 +17,25 @@ for every row and does twice bfloat16's multiply-adds per instruction. Its error
 8-bit rounding beside the file's own 4-bit one (`bench/perplexity.py` measures the model's: llama.cpp's
 to the fourth digit).
 
-It serves decode steps of any count (`MAX_ROWS`, `quantized_linear.rows_for`): against bfloat16 oneDNN
-on the default model's 30 layers (4-bit matrices of the real shapes, 2 threads, a Zen 5; medians of
-interleaved runs), time of this kernel over oneDNN's: 0.33 at 1 row, 0.40 at 8, 0.55 at 16, 0.60 at 32,
-0.78 at 64, 0.77 at 128-256, 0.94-0.96 at 512-1,024; its 8-bit logits head 0.51, 0.52, 0.71, 0.82,
-0.84, 0.83-0.93. Prompts of 16 tokens or more keep the dense bfloat16 weights (`low_bit_gate.py`), as
-with torch's int4 kernel: their logits choose a reply's first token, where the small default model has
-near ties that 8-bit activations flip ("What is the capital of France?" as a chat: "L" 24.88 against
-"The" 24.75, and the reply "L'Étoile, la Marseillaise, ...", llama-server's own; bfloat16 activations:
-"The" 25.50 against "L" 25.38, "The capital of France is Paris.").
+It serves decode steps of any count (`MAX_ROWS`, `quantized_linear.rows_for`): it takes less time than
+bfloat16 oneDNN at every row count measured, most at few rows, where reading the weights decides. Prompts of
+16 tokens or more keep the dense bfloat16 weights (`low_bit_gate.py`), as with torch's int4 kernel: their
+logits choose a reply's first token, where the small default model has near ties that 8-bit activations flip
+(the tests pin chat answers that sit on such ties). The figures: bench/RESULTS.md, "Weight kernels"; the
+design: docs/performance.md, "Weight kernels".
 
-On a CPU with AMX (Sapphire Rapids and later; `amx_rows`), calls of 16 rows or more of bfloat16
-activations by 4-bit weights take a second kernel (`gracelm/csrc/block_matmul_amx.cpp`): each record is
-dequantized to bfloat16 (s·q + m rounded once, the dense bfloat16 copy's value), its 16 values per output
-a table that `vpermw` indexes by the nibbles, and the tile unit multiplies it by the activations as they
-are, 16 rows a tile, summing each output's whole row in float32 (`tdpbf16ps`). The 8-bit kernel cannot
-use the tile unit well: a block's scales must be applied to each block's sums apart, and 16 x 16 sums
-stored and scaled per block of 32 inputs cost more than the tile unit saves (measured 1.15-1.25x its
-time). Dequantizing costs the same at any row count, so it wins from 16 rows: the default model's 30
-layers' 4-bit matrices (2 threads, a Sapphire Rapids-class Xeon; medians of interleaved runs), its time
-over the 8-bit kernel's: 0.87 at 16 rows, 0.78 at 24, 0.63 at 32, 0.55 at 48, 0.49 at 64. Its error is the
-weights' bfloat16 rounding, the dense path's, instead of the activations' 8-bit one; so on such a CPU a
-row's bits depend on whether its call has 16 low-bit rows (a decode step of 16 sequences or more), as they
-do where torch's int4 kernel hands larger steps to the dense weights (`--deterministic` runs dense weights
-throughout). The 8-bit logits head stays on the 8-bit kernel (its 8-bit values have no 16-entry table).
+On a CPU with AMX (Sapphire Rapids and later; `amx_rows`), calls of 16 rows or more of bfloat16 activations by
+4-bit weights take a second kernel (`gracelm/csrc/block_matmul_amx.cpp`): each record is dequantized to
+bfloat16 (s·q + m rounded once, the dense bfloat16 copy's value), its 16 values per output a table that
+`vpermw` indexes by the nibbles, and the tile unit multiplies it by the activations as they are, 16 rows a
+tile, summing each output's whole row in float32 (`tdpbf16ps`). The 8-bit kernel cannot use the tile unit
+well: a block's scales must be applied to each block's sums apart, and 16 x 16 sums stored and scaled per
+block of 32 inputs cost more than the tile unit saves. Dequantizing costs the same at any row count, so the
+AMX kernel wins from 16 rows on, more as the rows grow. Its error is the weights' bfloat16 rounding, the dense
+path's, instead of the activations' 8-bit one; so on such a CPU a row's bits depend on whether its call has 16
+low-bit rows (a decode step of 16 sequences or more), as they do where torch's int4 kernel hands larger steps
+to the dense weights (`--deterministic` runs dense weights throughout). The 8-bit logits head stays on the
+8-bit kernel (its 8-bit values have no 16-entry table).
 
 The layout (`pack`): the outputs in tiles of 16 (one vector of sums), each tile's blocks in input order,
 a record per (tile, block): the 16 × 32 q as 8 vectors of 64 bytes, vector j holding inputs 4j..4j+3 of

@@ -6,9 +6,9 @@ One query token per sequence attends the sequence's cached context, read block b
 paged cache: no gathered copy of the keys, no masked padding up to the longest sequence, one pass for the
 scores and one for the values, float32 sums throughout (from bfloat16 keys by `vdpbf16ps` where the CPU has
 AVX512_BF16). One task per (sequence, KV head) serves every query head of that KV head (GQA), so each key and
-value row is read once. It replaces the decode path of `attention.py:_group_attention` (gathered keys, a bf16
-`bmm`, a masked softmax, an `embedding_bag` over the values) where it applies (`applies`); why a hand-written
-kernel: docs/architecture.md, "Decode attention".
+value row is read once. Where it does not apply (`applies`), decode tokens take
+`attention.py:_group_attention` (gathered keys, a bf16 `bmm`, a masked softmax, an `embedding_bag` over the
+values). Why a hand-written kernel: docs/performance.md, "Decode attention".
 """
 
 from __future__ import annotations

@@ -2,15 +2,12 @@
 linears have low-bit forms (a GGUF file's 4- and 8-bit blocks, `model/quantized_linear.py`), in bfloat16
 or, where bfloat16 is emulated, in float32.
 
-Why. At few sequences per step the matmuls are a third of the step: the int4 kernel reads the 30 layers'
-weights in about 2.5 ms and the logits head takes 1.1 ms, while the ~1,700 small eager ops around them
-(norms, rope, residuals, the attention's glue; a few microseconds each of dispatch) took most of the rest
-of a ~10.9 ms step (default model, one sequence, context 256, 2 threads). Compiled, those ops become a few
-fused C++ loops called from C++ (no Python, no dispatcher, no guards): 7.3 ms for the same step (with the
-fused decode attention of `decode_attention.py`, which the graphs call as eager does: 7.2 ms against
-11.3 eager at one sequence, 18.1 against 24.8 at eight; with the blocks' kernel of `block_linear.py`,
-5.9 against 12.9 at one, 10.0 against 14.6 at eight, 27.6 against 37.0 at 32, context 256).
-`bench/forward.py --decode-graph` measures it.
+Why. At few sequences per step the matmuls are a minority of the step: the ~1,700 small eager ops around
+them (norms, rope, residuals, the attention's glue; a few microseconds each of dispatch) take most of the
+rest. Compiled, those ops become a few fused C++ loops called from C++ (no Python, no dispatcher, no
+guards), around the same kernels eager calls (the fused decode attention of `decode_attention.py`, the
+low-bit matmuls). `bench/forward.py --decode-graph` measures it; the figures: bench/RESULTS.md, "Compiled
+decode steps".
 
 What is compiled (`_DecoderStack`): the decoder layers and the final norm, the very modules and code the
 eager forward runs (`LlamaDecoderLayer.forward`, `paged_attention`), traced by `torch.export` with the
@@ -24,23 +21,22 @@ logits bit for bit on the default model at contexts of 40 to 600 tokens on this 
 tests/test_decode_graph.py holds both graphs to eager within bfloat16 rounding, since a fused reduction
 may sum in another order. The one-sequence graph's generated loops run on one thread (one row is too
 little to share out); the other graph's are compiled parallel over the rows (`#pragma omp parallel`, the
-team the process has when it runs): at 32 sequences its norms, rope and activations took ~2 ms of a step
-on one thread while the second one waited, and 22.6 ms against 23.2 a step (8 sequences: 7.85 against
-8.11; 64: 36.5 against 37.7; context 80).
+team the process has when it runs), so that its norms, rope and activations do not run on one thread while
+the others wait.
 
 Which steps (`DecodeGraph.serves`): decode steps only, of a graph's count of sequences, each of at most
 `MAX_CONTEXT` tokens of context: inductor's fused softmax and casts over the context cost more than
-eager's kernels as the context grows (compiled/eager at one sequence, measured: 0.6 at 40 tokens, 0.7 at
-256, 0.8 at 600, 0.8-0.95 at 1,000, above 1 at 2,000), so longer contexts stay eager.
+eager's kernels as the context grows, and beyond about 1,000 tokens the compiled step no longer wins, so
+longer contexts stay eager.
 
 Kept on disk (`graph_path`): `<cache>/graphs/<key>.pt2`, each package its code only: its constants (the
 layers' low-bit weights and norms) are the loaded model's own tensors, handed to it at load
 (`DecodeGraph.load`), so the weights are in memory once whatever the graphs. Keyed by everything the
 compiled code depends on (`graph_key`): the model file's content hash, dtype, block size, the low-bit
 forms' layout, torch's version, the CPU (its vector capability, the features in use, its own flags), the
-attention kernel, the graph's sequences and `FORMAT_VERSION`. Building them takes about 40 s each of one
-core for the default model; `parallel/decode_graph_build.py` does it in a child process after the first
-start while the engine serves eagerly, and every later start loads them in 0.1 s each. Before a loaded
+attention kernel, the graph's sequences and `FORMAT_VERSION`. Building them takes tens of seconds of one
+core each; `parallel/decode_graph_build.py` does it in a child process after the first start while the
+engine serves eagerly, and every later start loads them in a fraction of a second. Before a loaded
 graph serves it proves itself (`decode_graph_check.py`).
 """
 
@@ -247,10 +243,9 @@ def compile_graph(model: nn.Module, block_size: int, rows: range, path: Path) ->
 def _min_blocks(rows: range) -> int:
     """Blocks per sequence a graph takes at least. The graph of several sequences, exported with both
     counts dynamic, computed wrong logits for all rows but the first when every sequence fits in one block
-    (measured: top-1 agreement with eager 1 / rows); from two blocks on it equals eager bit for bit. So it
-    is exported for two blocks or more, and a step whose sequences all fit in one gets a second, masked
-    block (`DecodeGraph.__call__`): the first steps of short prompts run compiled too (they ran eagerly,
-    ~5 steps of a new batch of 32 ten-token prompts, 1.5-2x as long each)."""
+    (only the first row agreed with eager); from two blocks on it equals eager bit for bit. So it is
+    exported for two blocks or more, and a step whose sequences all fit in one gets a second, masked block
+    (`DecodeGraph.__call__`): the first steps of a new batch of short prompts run compiled too."""
     return 1 if len(rows) == 1 else 2
 
 

@@ -3,19 +3,17 @@
 `allocate_kv_cache` maps a CPU cache lazily, which keeps the start fast (no memset of a gigabyte). But then
 each page is faulted in when a step first writes it, inside the model's parallel loops, where the other
 threads wait for the faulting one at the next barrier; and the allocator hands out every fresh block before
-it reuses one (`KVCacheManager`), so a server pays this until its whole cache has been written once.
-Measured on the default model at 32 streams, 96 requests of 128 tokens (2-vCPU VM): ~80,000 faults in the
-engine per run; with the cache committed first, 1,090-1,290 output tok/s against 1,080-1,205 (medians
-1,240 and 1,135, four alternating pairs).
+it reuses one (`KVCacheManager`), so a server pays this until its whole cache has been written once
+(bench/RESULTS.md, "The serving processes").
 
 A thread asks the kernel to map the pages as if written, without writing them (MADV_POPULATE_WRITE, Linux
 5.14+), so blocks the model fills meanwhile keep their contents. It runs at SCHED_IDLE, only when a CPU has
-nothing else to do, in the allocator's order (lowest block ids first, every layer), 64 KB per call. It
-starts once the rest of the start is done (`Worker.commit_kv_cache`): its calls hold the memory-map lock
-that loading the decode graphs' libraries waits for (starts were 1 s longer). The memory is then held soon
-after start, as vLLM and llama-server hold theirs: an overcommitted host shows within seconds of start, not
-hours later when the cache first fills. Where the kernel lacks the call, pages are mapped on first write as
-before (logged).
+nothing else to do, in the allocator's order (lowest block ids first, every layer), 64 KB per call. It starts
+once the rest of the start is done (`Worker.commit_kv_cache`): its calls hold the memory-map lock that loading
+the decode graphs' libraries waits for, which would lengthen the start. The memory is then held soon after
+start, as vLLM and llama-server hold theirs: an overcommitted host shows within seconds of start, not hours
+later when the cache first fills. Where the kernel lacks the call, pages are mapped on first write, as a plain
+mapping's are (logged).
 """
 
 from __future__ import annotations

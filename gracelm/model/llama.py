@@ -60,8 +60,8 @@ class FrozenLinear(nn.Module):
     """One or several linears of the same input, stacked by rows, frozen for inference: one matmul instead of
     several. `output_sizes` are the parts' widths, in order: a tensor-parallel split of the output takes
     its share of each part. bfloat16 weights on CPU are reordered once into oneDNN's blocked layout: the
-    same kernel as `F.linear` (bit-identical results) without the per-call weight reorder, 1.6-2.5x faster
-    at batch 1 and 1.2-1.4x at batch 64 on this project's machine. Float32 keeps the plain weight and MKL,
+    same kernel as `F.linear` (bit-identical results) without the per-call weight reorder, which costs most
+    at small batches. Float32 keeps the plain weight and MKL,
     so float32 logits stay those of transformers.
 
     With a 4-bit form (`int4`), at most `int4_max_rows` rows of a call use it instead, in a model only the

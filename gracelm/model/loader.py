@@ -219,9 +219,9 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _half_precision(device: torch.device) -> torch.dtype:
-    """bfloat16 where the device computes it natively: a GPU from Ampere on, a CPU with oneDNN's bf16
-    kernels (AVX-512 BF16/VNNI or AMX). Elsewhere float16 on a GPU, and float32 on a CPU, where bfloat16 is
-    emulated and a decode step 3-4x slower (float16 too is slow on CPU), as where its bfloat16 is masked
+    """bfloat16 where the device computes it natively: a GPU from Ampere on, a CPU with oneDNN's bf16 kernels
+    (AVX-512 BF16/VNNI or AMX). Elsewhere float16 on a GPU, and float32 on a CPU, where bfloat16 is emulated
+    and a decode step several times slower (float16 too is slow on CPU), as where its bfloat16 is masked
     (`cpu_features.py`)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

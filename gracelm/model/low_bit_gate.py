@@ -6,14 +6,13 @@ depend on which others share its step (the forms' kernels compute each row alike
 a decode token takes the low-bit forms, and so does every token of a prompt shorter than `SHORT_PROMPT`;
 the tokens of longer prompts take the dense weights.
 
-Why short prompts. A reply's first token is chosen by its prompt's logits, where the small default model
-has near ties that the blocks' 8-bit activations flip ("What is the capital of France?" as a chat, 37
-tokens: `block_linear.py`); so prompts took the dense weights, which read 4x the bytes of the 4-bit blocks.
-For a prompt of a few tokens that read is most of its forward pass, and of a lone request's time to first
-token: the default model's forward over one 10-token prompt took 18 ms through the blocks against 29 ms
-dense, a wave of 32 such prompts 171 against 201 ms (2 threads, a Zen 5). llama.cpp multiplies every
-prompt that way. 16: the KV cache's default block, so that a short prompt never fills a cached block
-alone; its block holds decode tokens too, as every request's generated text in the cache does.
+Why short prompts. A reply's first token is chosen by its prompt's logits, where the small default model has
+near ties that the blocks' 8-bit activations flip (`block_linear.py`); so long prompts take the dense weights,
+which read 4x the bytes of the 4-bit blocks. For a prompt of a few tokens that read is most of its forward
+pass, and of a lone request's time to first token, so short prompts take the blocks, as llama.cpp multiplies
+every prompt (bench/RESULTS.md, "Weight kernels"). 16: the KV cache's default block, so that a short prompt
+never fills a cached block alone; its block holds decode tokens too, as every request's generated text in the
+cache does.
 
 Why a prompt's whole length, not its chunk's: a prompt whose head the prefix cache served computes only
 its tail, and must take the same weights for it as it took for the whole, or the same request sent twice

@@ -11,24 +11,21 @@ with AVX2; `layout_id` tells layouts apart, since a cached copy must match the r
 in the dtype of the activations.
 
 Scales in bfloat16: on x86 the kernel is vectorised for bfloat16 activations only (AVX-512 and AVX2 alike);
-float32 ones and scales (which would hold the file's float16 scales exactly) run its scalar fallback,
-measured 17x slower than bfloat16 on this project's machine and 6x slower than the dense bfloat16 matmul.
-So a float32 model's linears round their activations to bfloat16 for the kernel and widen its output back
-(`KERNEL_DTYPE`): a CPU without native bfloat16 (AVX2: Zen 3, say) runs its models in float32, and there
-the kernel beats float32 MKL streaming the weights (`int4_serves`). Scales and zeros are kept
-in float32 (exact) until `FrozenLinear` casts them to bfloat16. Rounded to bfloat16 they change the
-weights by 1.4-1.7x what rounding the dequantized weights to bfloat16 does (the dense bfloat16 path), both
-about 2 % of the file's own 4-bit quantisation error (Frobenius norms, the default model's Q4_1 tensors).
+float32 ones and scales (which would hold the file's float16 scales exactly) run its scalar fallback, slower
+even than the dense bfloat16 matmul. So a float32 model's linears round their activations to bfloat16 for the
+kernel and widen its output back (`KERNEL_DTYPE`): a CPU without native bfloat16 (AVX2: Zen 3, say) runs its
+models in float32, and there the kernel beats float32 MKL streaming the weights (`int4_serves`). Scales and
+zeros are kept in float32 (exact) until `FrozenLinear` casts them to bfloat16. Rounded to bfloat16 they change
+the weights somewhat more than rounding the dequantized weights to bfloat16 does (the dense bfloat16 path),
+both a small fraction of the file's own 4-bit quantisation error.
 
-Few rows only: the kernel computes 4 rows at a time and reads (and dequantizes) the whole weight for each
-4 rows, while oneDNN's bfloat16 matmul costs about the same from 1 to 16 rows: two passes over a quarter
-of the bytes still beat one dense pass, a third does not. Whole decode steps of the default model
-(`bench/forward.py --int4`, context 256, medians of 15 interleaved runs on this project's loaded
-machine, 2 threads and 1), speed with int4 over speed with dense bfloat16: 1.65-1.76 at 1 row, 1.43-1.45
-at 4, 1.13-1.19 at 5, 1.10-1.11 at 8, 0.98 at 9, 0.92-0.96 at 12, 0.63-0.85 at 16. Hence
-`INT4_MAX_ROWS` = 8, a constant of the kernels' structure rather than a start-up measurement (which would
-cost start-up time and, on a shared machine, measure the neighbours); `bench/forward.py --int4` measures
-the crossover again on another kind of machine.
+Few rows only: the kernel computes 4 rows at a time and reads (and dequantizes) the whole weight for each 4
+rows, while oneDNN's bfloat16 matmul costs about the same from 1 to 16 rows: two passes over a quarter of the
+bytes still beat one dense pass, a third does not. On whole decode steps of the default model int4 wins
+through 8 rows and loses from 9 (bench/RESULTS.md, "Weight kernels"). Hence `INT4_MAX_ROWS` = 8, a constant of
+the kernels' structure rather than a start-up measurement (which would cost start-up time and, on a shared
+machine, measure the neighbours); `bench/forward.py --int4` measures the crossover again on another kind of
+machine.
 """
 
 from __future__ import annotations
@@ -227,9 +224,9 @@ def int4_serves(dtype: torch.dtype, dtype_asked: str) -> bool:
 
 def int4_rows_for(dtype: torch.dtype) -> int:
     """The rows up to which a model of `dtype` uses its 4-bit forms. Against float32 MKL on an AVX2 CPU
-    (Zen 3, default model, context 256, 2 threads, `bench/forward.py --int4`), speed with int4 over speed
-    with dense float32 weights: 2.2 at 1 row, 3.0 at 4, 1.9 at 8, 1.3-1.4 at 16, 1.08 at 24, 1.05 at 32,
-    0.91 at 48, 0.72 at 64: float32 reads twice bfloat16's bytes, so the crossover lies further out."""
+    (`bench/forward.py --int4` on an AVX2 CPU): int4 wins over dense float32 weights through 32 rows and
+    loses from 48, since float32 reads twice bfloat16's bytes and the crossover lies further out
+    (bench/RESULTS.md, "Weight kernels")."""
     return INT4_MAX_ROWS_FLOAT32 if dtype == torch.float32 else INT4_MAX_ROWS
 
 
@@ -243,10 +240,9 @@ def rows_for(dtype: torch.dtype, form: type[LowBitForm]) -> int:
 def halves_rows_for(dtype: torch.dtype) -> int | None:
     """The rows up to which an 8-bit matrix's halves (`Int4Linear.halves`: twice a 4-bit matrix's work)
     serve a model of `dtype`, where tighter than its other forms'. Against bfloat16 oneDNN, which streams a
-    large matrix near the machine's bandwidth, the default model's logits head as halves made whole decode
-    steps (context 256, 2 threads, a Zen 5) 2-5 % faster at 1 and 2 rows, no faster at 3, and 5 % slower at
-    4, 16 % at 8. Against float32 MKL, which reads four bytes a weight, they win as every form does (the same
-    head on an AVX2 Zen 3: 5.8 ms against 18.8 at 1 row, 20.3 against 45.3 at 8): None."""
+    large matrix near the machine's bandwidth, the default model's logits head as halves makes whole decode
+    steps faster at 1 and 2 rows only. Against float32 MKL, which reads four bytes a weight, they win as
+    every form does: None. The figures: bench/RESULTS.md, "Weight kernels"."""
     return HALVES_MAX_ROWS if dtype == KERNEL_DTYPE else None
 
 

@@ -16,9 +16,8 @@ the softmax over the whole vocabulary.
 Draws. A row samples by inverting its cumulative distribution with one uniform number per step. A seeded
 row draws it from its own `torch.Generator`, so its tokens depend only on its seed and its logits, whatever
 else is in the batch; unseeded rows share one vectorised draw from the default generator. (The exponential
-race, `argmax(probs / Exp(1))`, needs a vocabulary's worth of random numbers per row and step: at batch 64
-for V = 49,152 on a 2-core CPU, 11 ms as `-log(uniform)` and 60 ms with `exponential_`, where a plain
-temperature step of this sampler takes about 4 ms in all.)
+race, `argmax(probs / Exp(1))`, needs a vocabulary's worth of random numbers per row and step, which costs
+several times a whole sampling step: bench/RESULTS.md, "Structured outputs and sampling".)
 
 Device. The sampler runs where the logits are. The metadata is built on the CPU (from Python lists) and
 copied to the logits' device once per step (`SamplingMetadata.to`); the uniform numbers are drawn on the CPU
@@ -314,8 +313,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first largest logit (`argmax`), found in two passes where the vocabulary splits into chunks
     of a few hundred to a few thousand: the largest of each chunk (`amax`, vectorised), then the argmax inside
     the first chunk that holds the row's largest. Same result as `argmax` (ties go to the lowest id; no NaN
-    is left by then); on the CPU torch's `argmax` reduces a row one value at a time: 0.64 ms for 32 rows of
-    49,152 logits, 0.11 ms this way."""
+    is left by then); on the CPU torch's `argmax` reduces a row one value at a time, several times slower
+    than this."""
     chunk = _argmax_chunk(logits.shape[-1])
     if chunk is None or logits.device.type != "cpu":
         return logits.argmax(dim=-1)
