@@ -7,13 +7,10 @@ For tool calling and any other caller: to constrain a request by a JSON schema, 
 
 Torch-free: the server has a constraint compiled when the request arrives, in a helper process
 (`serving/grammar_checker.py`: a 400 naming the field), the engine core's worker compiles it again
-(`model/token_constraints.py`). The grammar library is llguidance, chosen by
-measurement against xgrammar on this project's CPU host with SmolLM2's tokenizer (49,152 tokens) and a
-six-field JSON schema, mask per decode step: batch 1, 0.014 ms (xgrammar 0.004 ms); batch 32 filled in
-parallel, 0.45 ms (xgrammar 0.32 ms); both negligible beside a ~26 ms decode step. The grammar compiles
-in 5 ms (xgrammar 22 ms). llguidance is a 8 MB wheel with no dependencies, which reads the `tokenizers`
-serialization this project already carries and imports no torch, so the frontend can check grammars;
-xgrammar needs torch and, on x86-64, triton (about 1 GB).
+(`model/token_constraints.py`). The grammar library is llguidance, chosen by measurement against
+xgrammar (bench/RESULTS.md): both masks cost little beside a decode step, and llguidance is a small wheel
+with no dependencies, which reads the `tokenizers` serialization this project already carries and imports
+no torch, so the frontend can check grammars; xgrammar needs torch and, on x86-64, triton.
 """
 
 from __future__ import annotations

@@ -186,3 +186,20 @@ def test_paths_are_told_from_other_code_spans() -> None:
     assert repository_paths("DIR/batches.db", roots) == []
     assert repository_paths("tmp/", roots) == []
     assert repository_paths("serving/tool_parsers/", roots | {"serving"}) == ["serving/tool_parsers/"]
+
+
+SECTION_REFERENCE = re.compile(r"(docs/[\w-]+\.md)(?:, \"([^\"]+)\")?")
+
+
+def test_the_code_points_at_documents_and_sections_that_exist() -> None:
+    """A comment naming a page (and a "Section" after it, comma-separated) names one that exists."""
+    broken = []
+    for file in sorted([*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.cpp"), *(ROOT / "bench").glob("*.py"),
+                        *(ROOT / "tests").rglob("*.py")]):
+        for page, section in SECTION_REFERENCE.findall(file.read_text(encoding="utf-8")):
+            where = f"{file.relative_to(ROOT).as_posix()}: {page}"
+            if not (ROOT / page).is_file():
+                broken.append(f"{where}: no such page")
+            elif section and github_slug(section) not in anchors(ROOT / page):
+                broken.append(f"{where}: no heading {section!r}")
+    assert not broken, "\n".join(broken)

@@ -1,4 +1,4 @@
-"""What `gracelm serve` tells systemd as it goes (docs/architecture.md, "Lifecycle"), through `SdNotify`;
+"""What `gracelm serve` tells systemd as it goes (docs/deployment.md, "systemd"), through `SdNotify`;
 nothing at all when `$NOTIFY_SOCKET` is unset.
 
 - Start-up: `MAINPID=` and `STATUS=loading MODEL`; while the engine core loads, `EXTEND_TIMEOUT_USEC=` every

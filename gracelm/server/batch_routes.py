@@ -5,7 +5,7 @@ unchanged: `POST/GET /v1/files`, `GET/DELETE /v1/files/{id}`, `GET /v1/files/{id
 They read and write the batch journal (`batch/journal.py`, in `--state-dir`) in a worker thread, so that a
 commit's fsync never holds the event loop, and wake the runner when a batch is created or cancelled.
 Without `--state-dir` there is nowhere durable to keep what they would accept: each answers 404
-`state_dir_required`, naming the option (docs/architecture.md, "Batches").
+`state_dir_required`, naming the option (docs/batch.md, "Over HTTP").
 """
 
 from __future__ import annotations
