@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from fastapi import Request
 
-from gracelm.server.request_guards import api_key_dependency
+from gracelm.server.guards import api_key_dependency
 from gracelm.serving.api_errors import APIError
 
 

@@ -11,8 +11,13 @@ import pytest
 
 from gracelm.serving import tool_parsers
 from gracelm.serving.api_errors import APIError
-from gracelm.serving.tool_call_output import StreamedChoice, final_message
-from gracelm.serving.tool_calls import DEFAULT_TOOLS_PROMPT, plan, template_messages
+from gracelm.serving.tool_calls import (
+    DEFAULT_TOOLS_PROMPT,
+    StreamedChoice,
+    final_message,
+    plan,
+    template_messages,
+)
 from gracelm.serving.tool_parsers import Call, Content, merged
 
 WEATHER = {"type": "function", "function": {

@@ -46,7 +46,7 @@ from gracelm.model.model_files import resolve_model_path
 from gracelm.observability.metrics import ServerMetrics
 from gracelm.server.batch_lines import BatchLines
 from gracelm.serving.grammar_checker import GrammarChecker
-from gracelm.serving.request_limits import RequestLimits
+from gracelm.serving.request_fields import RequestLimits
 from gracelm.serving.server_config import ServerConfig
 from gracelm.serving.serving_chat import ServingChat
 from gracelm.serving.serving_completion import ServingCompletion

@@ -29,16 +29,15 @@ from gracelm.observability.metrics import ServerMetrics
 from gracelm.observability.stats_logger import log_stats_forever
 from gracelm.server.batch_lines import BatchLines
 from gracelm.server.batch_routes import batch_router
-from gracelm.server.browser_guard import BrowserGuard, default_allowed_hosts
+from gracelm.server.guards import BodySizeLimit, BrowserGuard, api_key_dependency, default_allowed_hosts
 from gracelm.server.openai_routes import openai_router, tokens_router
 from gracelm.server.openapi_docs import install_openapi
 from gracelm.server.ops_routes import metrics_router, package_version, probe_router
-from gracelm.server.request_guards import BodySizeLimit, api_key_dependency
 from gracelm.server.status_page import status_router
 from gracelm.serving import request_ids
 from gracelm.serving.api_errors import install_error_handlers
 from gracelm.serving.grammar_checker import GrammarChecker
-from gracelm.serving.request_limits import RequestLimits
+from gracelm.serving.request_fields import RequestLimits
 from gracelm.serving.server_config import ServerConfig
 from gracelm.serving.serving_chat import ServingChat
 from gracelm.serving.serving_completion import ServingCompletion

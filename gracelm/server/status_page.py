@@ -39,7 +39,7 @@ from gracelm.engine.output_processor import OpenRequest
 from gracelm.lifecycle.last_shutdown import load_last_shutdown
 from gracelm.lifecycle.server_state import Lifecycle, ServerState
 from gracelm.observability.metrics import ServerMetrics
-from gracelm.server.request_guards import api_key_dependency, is_valid_key
+from gracelm.server.guards import api_key_dependency, is_valid_key
 from gracelm.serving.api_errors import APIError
 from gracelm.serving.server_config import ServerConfig
 

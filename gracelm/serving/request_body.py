@@ -30,7 +30,7 @@ async def parse_request(raw_request: Request, model: type[ModelT]) -> ModelT:
 def _check_json_content_type(content_type: str | None) -> None:
     """A body is read as JSON only when it says it is JSON: a web page may send `text/plain`, a form, or a
     body of no declared type (a `Blob`) to a localhost server without asking it first (no CORS preflight),
-    never `application/json`, so anything else is refused instead of obeyed (`browser_guard.py`)."""
+    never `application/json`, so anything else is refused instead of obeyed (`guards.py`)."""
     if content_type is None:
         raise APIError(415, "the request body must be JSON (Content-Type: application/json); the request "
                             "declares no Content-Type", param="Content-Type", code="unsupported_media_type")

@@ -1,15 +1,31 @@
-"""Which request fields this server refuses, and with which values: what a client asks of a field that has no
-effect here is answered with a 400 naming the field, never ignored.
+"""What a request's fields may ask, checked before it runs; each refusal is a 400 naming the field.
 
-A field listed here is refused unless its value asks for nothing (its default or a no-op value, such as
-`modalities: ["text"]` or `store: false`). Every field of the request models that is not listed is
-honoured (docs/api_fields.md gives the choice for each; tests/test_request_fields.py walks them). Fields
-whose work is under way elsewhere (tools) are listed until they are implemented, so that they are refused
-rather than silently dropped meanwhile.
+Fields this server lacks: a field listed in `UNSUPPORTED` is refused unless its value asks for nothing (its
+default or a no-op value, such as `modalities: ["text"]` or `store: false`). Every field of the request
+models that is not listed is honoured (docs/api_fields.md gives the choice for each;
+tests/test_request_fields.py walks them). Fields whose work is under way elsewhere are listed until they are
+implemented, so that they are refused rather than silently dropped meanwhile.
+
+Fields that constrain tokens (`constraint_fields`), read into `SamplingParams`' terms: OpenAI's
+`response_format` and `logit_bias`, vLLM's `structured_outputs`, `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`, `allowed_token_ids` and `bad_words`. At most one structured-output
+constraint per request; `constraint_fields` names the field it came from, and the request's route has it
+compiled (`grammar_checker.py`, off this process) before the request is admitted, so that a schema or
+grammar the engine could not follow is a 400 naming its field instead of a failed request later.
+Whitespace in generated JSON is always compact (`", "`, `": "`), so `disable_any_whitespace` may only be
+true (and `guided_whitespace_pattern` and any `guided_decoding_backend` but llguidance are refused).
+
+What one request may cost (`RequestLimits`), beyond what `SamplingParams` bounds for every engine (`n` ≤ 128,
+`logprobs` ≤ 20) and the body size (`--max-request-body-bytes`): its stop strings, in number and in total
+length, each refusal naming the option that sets the limit. Stop strings are matched in the server's event
+loop for each of the `n` completions after each token. The matching reads each new character once whatever
+the stop strings are (`engine/stop_strings.py`), but building their automaton, and keeping it, grows with
+their total length.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +33,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from gracelm.serving.api_errors import APIError
+from gracelm.serving.openai_protocol import SamplingFields
+from gracelm.structured_output import StructuredOutputs
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,7 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "kv_transfer_params": Unsupported(_unset, "KV transfer (disaggregated serving) is not supported"),
     "vllm_xargs": Unsupported(_unset, "vllm_xargs is not supported"),
     "prompt_embeds": Unsupported(_unset, "prompt embeddings are not supported"),
-    # Structured outputs: one backend, and JSON's whitespace is always compact (constraint_fields.py).
+    # Structured outputs: one backend, and JSON's whitespace is always compact (`constraint_fields`).
     "guided_decoding_backend": Unsupported(_one_of("auto", "guidance", "llguidance"),
                                            "the only structured-output backend is llguidance"),
     "guided_whitespace_pattern": Unsupported(_unset, "guided_whitespace_pattern is not supported: JSON is "
@@ -114,3 +132,145 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
         raise APIError(400, f"truncate_prompt_tokens must be -1 or at least 1, got {keep}",
                        param="truncate_prompt_tokens", code="invalid_value")
     return ids[-keep:]
+
+
+# vLLM's `structured_outputs` keys this server follows: one constraint, and options that ask for what it
+# does anyway (no fallback to another backend exists; whitespace is never free).
+_CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_NO_OP_OPTIONS = {"disable_fallback": (True, False), "disable_any_whitespace": (True,)}
+
+
+def constraint_fields(req: SamplingFields, vocab_size: int) -> tuple[dict[str, Any], str | None]:
+    """`SamplingParams` keyword arguments for the request's token constraints (only those it sets), and the
+    field that set its structured-output constraint, if any (its grammar is still to be checked). Raises a
+    400 `APIError` naming the field that cannot be honoured."""
+    fields: dict[str, Any] = {}
+    name, constraint = _structured_outputs(req)
+    if constraint is not None:
+        fields["structured_outputs"] = constraint
+    if req.logit_bias:
+        fields["logit_bias"] = _logit_bias(req.logit_bias, vocab_size)
+    if req.allowed_token_ids is not None:
+        _check_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids")
+        fields["allowed_token_ids"] = list(req.allowed_token_ids)
+    if req.bad_words:
+        fields["bad_words"] = list(req.bad_words)
+    return fields, name
+
+
+def _structured_outputs(req: SamplingFields) -> tuple[str | None, StructuredOutputs | None]:
+    guided_json, regex, grammar = req.guided_json, req.guided_regex, req.guided_grammar
+    found = [(name, c) for name, c in (
+        ("response_format", _response_format(req.response_format)),
+        ("structured_outputs", _vllm_structured_outputs(req.structured_outputs)),
+        ("guided_json", None if guided_json is None else StructuredOutputs.of_json_schema(guided_json)),
+        ("guided_regex", None if regex is None else StructuredOutputs(regex=regex)),
+        ("guided_choice", _choice(req.guided_choice, "guided_choice")),
+        ("guided_grammar", None if grammar is None else StructuredOutputs(grammar=grammar)),
+    ) if c is not None]
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise _bad(found[1][0], f"only one structured-output constraint per request; {found[0][0]} is set "
+                                f"too")
+    name, constraint = found[0]
+    if req.min_tokens:  # a grammar complete before N tokens would leave no token allowed at all
+        raise _bad("min_tokens", f"min_tokens is not supported together with {name}")
+    return name, constraint
+
+
+def _response_format(value: dict[str, Any] | None) -> StructuredOutputs | None:
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise _bad("response_format", f'type must be "text", "json_object" or "json_schema", got {kind!r}')
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise _bad("response_format", 'a "json_schema" response format needs a json_schema object with a '
+                                      'name')
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI makes the schema optional: any JSON object then
+        return StructuredOutputs(json_object=True)
+    if not isinstance(schema, dict):
+        raise _bad("response_format", "json_schema.schema must be a JSON object")
+    return StructuredOutputs.of_json_schema(schema)
+
+
+def _vllm_structured_outputs(value: dict[str, Any] | None) -> StructuredOutputs | None:
+    if value is None:
+        return None
+    for key, option in value.items():
+        if key in _CONSTRAINT_KEYS or option is None:
+            continue
+        if option not in _NO_OP_OPTIONS.get(key, ()):
+            raise _bad("structured_outputs", f"{key}={option!r} is not supported")
+    given = {key: value[key] for key in _CONSTRAINT_KEYS if value.get(key) not in (None, False)}
+    if len(given) != 1:
+        raise _bad("structured_outputs", f"set exactly one of {', '.join(_CONSTRAINT_KEYS)}; got "
+                                         f"{sorted(given) or 'none'}")
+    key, spec = next(iter(given.items()))
+    if key == "json" and isinstance(spec, dict | str):
+        return StructuredOutputs.of_json_schema(spec)
+    if key == "json_object" and spec is True:
+        return StructuredOutputs(json_object=True)
+    if key in ("regex", "grammar") and isinstance(spec, str):
+        return StructuredOutputs(**{key: spec})
+    if key == "choice":
+        return _choice(spec, "structured_outputs")
+    raise _bad("structured_outputs", f"{key} has the wrong type ({type(spec).__name__})")
+
+
+def _choice(value: Any, field: str) -> StructuredOutputs | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+        raise _bad(field, "the choice must be a non-empty list of strings")
+    return StructuredOutputs(choice=value)
+
+
+def _logit_bias(value: dict[str, float], vocab_size: int) -> dict[int, float]:
+    bias = {}
+    for key, amount in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise _bad("logit_bias", f"keys must be token ids, got {json.dumps(key)}") from None
+        if not -100 <= amount <= 100:
+            raise _bad("logit_bias", f"biases must be between -100 and 100, got {amount} for token {key}")
+        bias[token] = float(amount)
+    _check_ids(list(bias), vocab_size, "logit_bias")
+    return bias
+
+
+def _check_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise _bad(field, f"token ids must be in [0, {vocab_size}), got {outside[0]}")
+
+
+def _bad(field: str, message: str) -> APIError:
+    return APIError(400, f"{field}: {message}", param=field, code="invalid_value")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_stop_strings: int
+    max_stop_chars: int
+
+    def check_stop(self, stop: list[str]) -> None:
+        if len(stop) > self.max_stop_strings:
+            raise _refused(f"{len(stop)} stop strings exceed this server's limit of {self.max_stop_strings}",
+                           "--max-stop-strings")
+        total = sum(len(s) for s in stop)
+        if total > self.max_stop_chars:
+            raise _refused(f"the stop strings' {total} characters exceed this server's limit of "
+                           f"{self.max_stop_chars}", "--max-stop-chars")
+
+
+def _refused(what: str, option: str) -> APIError:
+    return APIError(400, f"stop: {what} (set by {option})", param="stop", code="limit_exceeded")

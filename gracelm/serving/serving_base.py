@@ -28,11 +28,10 @@ from gracelm.observability.metrics import ServerMetrics
 from gracelm.sampling_params import SamplingParams
 from gracelm.serving import prompt_batch
 from gracelm.serving.api_errors import APIError, from_value_error
-from gracelm.serving.constraint_fields import constraint_fields
 from gracelm.serving.grammar_checker import GrammarChecker
 from gracelm.serving.openai_protocol import SamplingFields, Usage
 from gracelm.serving.request_client import HeldAdmission, RequestClient
-from gracelm.serving.request_limits import RequestLimits
+from gracelm.serving.request_fields import RequestLimits, constraint_fields
 from gracelm.serving.serving_options import ServingOptions
 
 logger = logging.getLogger(__name__)

@@ -28,8 +28,7 @@ from gracelm.serving.openai_protocol import (
 from gracelm.serving.request_client import RequestClient
 from gracelm.serving.request_fields import refuse_unsupported
 from gracelm.serving.serving_base import ServingBase, StreamTally, final_usage, sse_data
-from gracelm.serving.tool_call_output import StreamedChoice, final_message
-from gracelm.serving.tool_calls import ToolPlan
+from gracelm.serving.tool_calls import StreamedChoice, ToolPlan, final_message
 
 logger = logging.getLogger(__name__)
 
