@@ -66,7 +66,7 @@ def test_sigusr1_dumps_every_stack_then_an_injected_exception_is_fatal(model):
     stream.join()
     assert stream.errors and stream.events[-1] == "[DONE]"
     log = finish(server, 1, within=10)
-    assert "RuntimeError: failure injected by the test hook" in log
+    assert "RuntimeError: failure injected by the test fault" in log
     assert "Traceback (most recent call last)" in log
     assert "SIGQUIT received" in log
 
@@ -150,7 +150,7 @@ def _drive_by_sigterm(server: ServerProcess) -> Stream:
                  id="exited"),
     pytest.param((), {}, _drive_by_kill, 1, "killed", "killed by SIGKILL", id="killed"),
     pytest.param((), {"test_raise_after_steps": 5}, _drive_by_request, 1, "raised",
-                 "RuntimeError: failure injected by the test hook", id="raised"),
+                 "RuntimeError: failure injected by the test fault", id="raised"),
     pytest.param(("--engine-hang-timeout", "1"), {"test_hang_after_steps": 5}, _drive_by_request, 1, "hung",
                  "hung: no step finished", id="hung"),
     pytest.param((), {}, _drive_by_sigterm, 0, "stopped", "stopped on request", id="stopped"),

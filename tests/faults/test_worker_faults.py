@@ -110,7 +110,7 @@ def test_an_exception_injected_in_a_worker_is_fatal(tp_model):
         stream.join(30)
         assert stream.events[-1] == "[DONE]" and [e["code"] for e in stream.errors] == ["engine_dead"]
         log = finish(server, 1, within=15)
-        assert "RuntimeError: failure injected by the test hook in worker rank 1 after 5 steps" in log
+        assert "RuntimeError: failure injected by the test fault in worker rank 1 after 5 steps" in log
         message = assert_one_end(log, "raised")
         assert "worker rank 1" in message, message
     finally:
@@ -127,7 +127,7 @@ def test_a_hang_injected_in_a_worker_is_fatal_within_the_hang_timeout(tp_model):
         assert stream.events[-1] == "[DONE]" and "hung" in stream.errors[0]["message"], stream.events
         log = finish(server, 1, within=15)
         assert time.monotonic() - hung_at < 10
-        assert "worker rank 1 hanging on purpose (test hook) after 5 steps" in log
+        assert "worker rank 1 hanging on purpose (test fault) after 5 steps" in log
         assert "no step finished" in assert_one_end(log, "hung")
     finally:
         leave_nothing_behind(server, worker)
