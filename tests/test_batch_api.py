@@ -29,6 +29,7 @@ from tests.batch_helpers import (
     submit,
     wait_for,
 )
+from tests.process_checks import wait_until
 from tests.server_process import ServerProcess, metric_value
 from tests.tiny_models import tiny_model
 
@@ -266,8 +267,9 @@ def test_uploads_stream_to_the_journal_and_at_most_two_run_at_once(tmp_path):
         assert uploaded.bytes == size and api.files.content(uploaded.id).content == content
         slow = [_slow_upload(server, b"y" * 1000) for _ in range(2)]
         try:
-            third = httpx.post(f"{server.url}/v1/files", timeout=60, files={"file": ("c.jsonl", b"{}\n")},
-                               data={"purpose": "batch"})
+            # Nothing says when the server has taken both in: until then a third upload is served (as it
+            # should be); once they are, it is refused.
+            third = wait_until(lambda: _refused_upload(server), 30, "a third upload refused")
             assert third.status_code == 429 and third.json()["error"]["code"] == "too_many_uploads"
         finally:
             for sock in slow:
@@ -293,5 +295,11 @@ def _slow_upload(server: ServerProcess, first_bytes: bytes):
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; "
                  b"boundary=b\r\nContent-Length: 10000000\r\n\r\n" + body)
-    time.sleep(0.5)
     return sock
+
+
+def _refused_upload(server: ServerProcess) -> httpx.Response | None:
+    """A small upload's answer if it was refused; None if it was served."""
+    answer = httpx.post(f"{server.url}/v1/files", timeout=60, files={"file": ("c.jsonl", b"{}\n")},
+                        data={"purpose": "batch"})
+    return None if answer.status_code == 200 else answer

@@ -23,6 +23,7 @@ from gracelm.engine.core_monitor import CoreMonitor
 from gracelm.lifecycle.heartbeat import Heartbeat
 from gracelm.lifecycle.process_end import EndReason, ProcessEnd, describe_exit
 from gracelm.lifecycle.processes import ChildProcess, start_process
+from tests.process_checks import answers, wait_until
 
 HANG_TIMEOUT_S = 0.6
 
@@ -115,9 +116,16 @@ def core(tmp_path):
     fake.close()
 
 
+def watching_ended(monitor: CoreMonitor) -> None:
+    """Waits for the monitor's thread to end, as it does once it has announced the end to every listener:
+    from then on no event can come, so the events heard so far are all there will be."""
+    monitor._thread.join(5)
+    assert not monitor._thread.is_alive(), "the monitor still watches after the end"
+
+
 def _only_event(core: FakeCore) -> ProcessEnd:
     core.monitor.wait_end(5)
-    time.sleep(0.1)  # a second event, if any, would come now
+    watching_ended(core.monitor)
     assert len(core.events) == 1, core.events
     return core.events[0]
 
@@ -150,7 +158,7 @@ def test_a_requested_stop_is_not_a_failure_and_its_report_is_kept(core):
     report = {"kind": "model", "name": "the model", "outcome": "released", "ms": 1.0, "error": None,
               "released_at": 0.0}
     core.send(msg.Stopped([report]))
-    time.sleep(0.1)
+    wait_until(lambda: core.monitor.core_report, 5, "the monitor to read the Stopped report")
     core.die(0)
     end = _only_event(core)
     assert (end.reason, end.fatal) == (EndReason.STOPPED, False)
@@ -172,14 +180,12 @@ def test_what_the_core_said_before_it_died_comes_first(core):
 
 
 def test_no_hang_while_nothing_is_expected(core):
-    time.sleep(HANG_TIMEOUT_S * 2)  # no stamp at all, but nothing was sent
-    assert core.monitor.end is None
+    assert core.monitor.wait_end(HANG_TIMEOUT_S * 2) is None  # no stamp at all, but nothing was sent
 
 
 def test_a_core_frozen_while_idle_hangs_once_work_is_sent(core):
     core.writer.beat()
-    time.sleep(HANG_TIMEOUT_S * 1.5)  # idle: an old stamp is no hang
-    assert core.monitor.end is None
+    assert core.monitor.wait_end(HANG_TIMEOUT_S * 1.5) is None  # idle: an old stamp is no hang
     sent = time.monotonic()
     core.monitor.set_busy(True)  # a request goes to a core that never stamps again
     core.monitor.wait_end(5)
@@ -196,7 +202,7 @@ def test_stamps_keep_a_busy_core_alive_and_a_stall_ends_it(core):
         core.writer.beat()
         time.sleep(0.05)
     assert core.monitor.end is None
-    stalled_from = time.monotonic()
+    stalled_from = core.heartbeat.read().stamp  # the last step's stamp (time.monotonic)
     end = _only_event(core)
     assert end.reason is EndReason.HUNG
     assert HANG_TIMEOUT_S <= time.monotonic() - stalled_from
@@ -205,16 +211,14 @@ def test_stamps_keep_a_busy_core_alive_and_a_stall_ends_it(core):
 def test_idle_again_after_work_cancels_the_deadline(core):
     core.monitor.set_busy(True)
     core.monitor.set_busy(False)
-    time.sleep(HANG_TIMEOUT_S * 2)
-    assert core.monitor.end is None
+    assert core.monitor.wait_end(HANG_TIMEOUT_S * 2) is None
 
 
 def test_zero_hang_timeout_never_hangs(tmp_path):
     fake = FakeCore(tmp_path, hang_timeout=0)
     try:
         fake.monitor.set_busy(True)
-        time.sleep(0.5)
-        assert fake.monitor.end is None
+        assert fake.monitor.wait_end(0.5) is None
     finally:
         fake.close()
 
@@ -227,22 +231,23 @@ def test_a_listener_added_after_the_end_hears_it_at_once(core):
     assert heard == [end] and end.message.endswith("killed by SIGTERM")
 
 
-# A real child: steps (stamps) for 1 s, idles 1 s, then hangs in a step without stamping.
+# A real child, moved on by the test's lines: steps (a stamp every 20 ms) until the first, idles until the
+# second, then hangs in a step without stamping, where it still echoes what it reads (to show it runs on).
 BEATER = r"""
-import sys, time
+import select, sys
 from gracelm.lifecycle.stacks import install_child_stack_dump
 from gracelm.lifecycle.heartbeat import Heartbeat
 install_child_stack_dump()
 heartbeat = Heartbeat.open(sys.argv[1])
-end = time.monotonic() + 1.0
-while time.monotonic() < end:
+while not select.select([sys.stdin], [], [], 0.02)[0]:
     heartbeat.beat()
-    time.sleep(0.02)
+sys.stdin.readline()
 print("idle", flush=True)
-time.sleep(1.0)
+sys.stdin.readline()
 heartbeat.beat()
 print("hanging", flush=True)
-time.sleep(30)
+for line in sys.stdin:
+    print(line, end="", flush=True)
 """
 
 
@@ -270,8 +275,8 @@ def test_a_real_child_that_stops_stamping_with_work_pending_is_reported_after_th
     context = zmq.Context()
     output = context.socket(zmq.PULL)
     output.bind(f"ipc://{tmp_path / 'out.sock'}")
-    child = subprocess.Popen([sys.executable, "-c", BEATER, str(heartbeat.path)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", BEATER, str(heartbeat.path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     process = PopenProcess(child)
     monitor = CoreMonitor(output, heartbeat, HANG_TIMEOUT_S)
     events: list[ProcessEnd] = []
@@ -279,17 +284,19 @@ def test_a_real_child_that_stops_stamping_with_work_pending_is_reported_after_th
     monitor.start(process)
     try:
         monitor.set_busy(True)  # it steps: work is pending
-        assert child.stdout.readline().strip() == "idle"
+        # 50 stamps, 20 ms apart: a second of steps, longer than the timeout, each step within it.
+        wait_until(lambda: heartbeat.read().count >= 50, 30, "the child's steps")
         monitor.set_busy(False)
-        assert child.stdout.readline().strip() == "hanging"
+        assert _told(child, "done") == "idle"
+        assert monitor.wait_end(HANG_TIMEOUT_S * 1.5) is None  # idle: an old stamp is no hang
+        assert _told(child, "work") == "hanging"
         monitor.set_busy(True)
         busy_at = time.monotonic()
         end = monitor.wait_end(15)
         assert end is not None and end.reason is EndReason.HUNG and end.pid == child.pid
         assert HANG_TIMEOUT_S <= time.monotonic() - busy_at < HANG_TIMEOUT_S + 1.5  # dump wait included
         assert events == [end]  # not during the steps, nor while idle: once, at the hang
-        time.sleep(0.3)
-        assert child.poll() is None  # the stack dump left it running
+        assert answers(child)  # the stack dump left it running
     finally:
         monitor.close()
         child.kill()
@@ -299,6 +306,13 @@ def test_a_real_child_that_stops_stamping_with_work_pending_is_reported_after_th
         context.term()
         heartbeat.close()
     assert "most recent call first" in err and 'File "<string>"' in err
+
+
+def _told(child: subprocess.Popen, line: str) -> str:
+    """Sends `line` to the child; its answer."""
+    child.stdin.write(line + "\n")
+    child.stdin.flush()
+    return child.stdout.readline().strip()
 
 
 def test_describe_exit():
@@ -354,7 +368,7 @@ class RealCore:
 
     def only_end(self) -> tuple[ProcessEnd, float]:
         assert self.monitor.wait_end(10) is not None
-        time.sleep(0.2)  # a second event, if any, would come now
+        watching_ended(self.monitor)
         assert len(self.heard) == 1, self.heard
         return self.heard[0]
 

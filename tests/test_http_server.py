@@ -241,15 +241,20 @@ def test_main_loop_ticks_once_a_second_and_wakes_at_once_on_request_exit():
         server = HttpServer(_config(_app(Probe())))
         server.config.load()
         ticks: list[int] = []
+        ticked = asyncio.Event()
         on_tick = server.on_tick
 
         async def counted(counter: int) -> bool:
             ticks.append(counter)
+            ticked.set()
             return await on_tick(counter)
 
         server.on_tick = counted
         loop = asyncio.create_task(server.main_loop())
-        await asyncio.sleep(0.5)  # past its first tick: the next one is 0.5 s away
+        await asyncio.wait_for(ticked.wait(), 5.0)  # its first tick: the next one is a second away
+        ticked.clear()
+        with pytest.raises(TimeoutError):  # half of that second passes without a tick
+            await asyncio.wait_for(ticked.wait(), 0.5)
         assert not loop.done()
         asked = time.monotonic()
         server.request_exit()

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import random
-import time
 import zlib
 from pathlib import Path
 
@@ -24,13 +23,15 @@ from gracelm.config import EngineConfig
 from gracelm.engine.kv_cache_manager import KVCacheManager
 from gracelm.engine.request import Request
 from gracelm.model import kv_snapshot as snap
-from tests.process_checks import assert_nothing_left
+from tests.process_checks import assert_nothing_left, wait_until
 from tests.server_process import ServerProcess, metric_value
 from tests.tiny_models import tiny_model
 
 BASE = {"max_model_len": 256, "num_threads": 1}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 PREFIX_TOKENS = 150  # 9 full blocks of 16 tokens, then a partial one
+# A block of the tiny model's KV cache: layers x (K, V) x tokens x heads x dims x 4 bytes.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
 
 
 def _prompt(seed: int, length: int = PREFIX_TOKENS) -> list[int]:
@@ -144,13 +145,26 @@ def _own_pid() -> int:
     return psutil.Process().pid
 
 
+def _until_the_clock_passes(path: Path) -> None:
+    """Until a file written now gets a later modification time than `path`: a filesystem's clock is coarse
+    (a few ms, a second on some), and the bound tells the oldest snapshot by its modification time."""
+    tick = path.with_name("clock-tick")  # not a snapshot's name: the bound does not count it
+
+    def later() -> bool:
+        tick.touch()
+        return tick.stat().st_mtime_ns > path.stat().st_mtime_ns
+
+    wait_until(later, 10, "the filesystem's clock to move on", interval=0.001)
+    tick.unlink()
+
+
 def test_the_bound_cuts_the_snapshot_and_drops_the_oldest_files(tmp_path):
     record = snap.record_size(64)
     bound = snap.prefix_size(FP, 64) + 10 * record
     assert _write(tmp_path, _blocks(20), bound).blocks == 10  # the most recent 10
     older = {**FP, "weights": "older"}
     _write(tmp_path, _blocks(4), bound, fp=older)
-    time.sleep(0.01)
+    _until_the_clock_passes(snap.snapshot_path(tmp_path, older))
     newer = {**FP, "weights": "newer"}
     _write(tmp_path, _blocks(4), bound, fp=newer)
     files = snap.snapshot_files(tmp_path)
@@ -255,11 +269,10 @@ def test_kill_during_a_periodic_save_keeps_the_previous_snapshot(model, kv_dir, 
     monkeypatch.delenv("GRACELM_TEST_HOOKS")
     try:
         _run(llm, second)  # new blocks: a periodic save starts 0.1 s later, one block every 0.3 s
-        deadline = time.monotonic() + 30
-        while not list(kv_dir.glob(".kv-*.tmp")):
-            assert time.monotonic() < deadline, "no periodic save began"
-            time.sleep(0.02)
-        time.sleep(0.5)  # a block or two written
+        (temporary,) = wait_until(lambda: list(kv_dir.glob(".kv-*.tmp")), 30, "a periodic save to begin",
+                                  interval=0.02)
+        wait_until(lambda: temporary.stat().st_size > BLOCK_BYTES, 30, "a block of the save written",
+                   interval=0.02)
         [core] = [p for p in psutil.Process().children(recursive=True)
                   if "engine-core" in " ".join(p.cmdline())]
         core.kill()
@@ -275,8 +288,7 @@ def test_kill_during_a_periodic_save_keeps_the_previous_snapshot(model, kv_dir, 
 
 
 def test_the_size_bound_holds_across_restarts(model, kv_dir):
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # the tiny model's: layers x (K, V) x tokens x heads x dims x 4
-    bound = 20 * (block_bytes + 36)  # about two prompts' prefixes
+    bound = 20 * (BLOCK_BYTES + 36)  # about two prompts' prefixes
     other = str(tiny_model("llama", rms_norm_eps=1e-5))
     for restart in range(5):
         with Engine(other if restart == 2 else model, kv_cache_dir=str(kv_dir), kv_cache_dir_size=bound,

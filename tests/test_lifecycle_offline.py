@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from gracelm import Engine, SamplingParams
-from tests.process_checks import assert_nothing_left
+from tests.process_checks import assert_nothing_left, core_stamps, wait_until
 from tests.tiny_models import tiny_model
 
 TINY = {"kv_cache_memory": "1MiB", "num_threads": 1}
@@ -95,7 +95,9 @@ def _run_script(source: str, interrupt: bool) -> tuple[int, str, int]:
     assert line.startswith("core "), "".join(before) + proc.stdout.read()
     core_pid = int(line.split()[1])
     if interrupt:
-        time.sleep(1.0)  # well inside generate(), which runs for 20 s
+        # Well inside generate(), which runs for 20 s: its core steps (idle, sent nothing, it never stamps).
+        stamps = core_stamps(proc.pid)
+        wait_until(lambda: core_stamps(proc.pid) >= stamps + 4, 60, "the core to step in generate()")
         proc.send_signal(signal.SIGINT)
     # Read through the text wrapper: `readline` above may have buffered what followed.
     output = proc.stdout.read()

@@ -24,6 +24,7 @@ import pytest
 
 from gracelm.lifecycle.sd_notify import SdNotify
 from gracelm.lifecycle.supervisor import STOP_MARGIN_S
+from tests.process_checks import core_stamps, wait_until
 from tests.server_process import ServerProcess, start_streams
 from tests.tiny_models import tiny_model
 
@@ -158,8 +159,9 @@ def test_ready_after_ready_route_pings_while_healthy_and_none_once_the_idle_core
         assert first["MAINPID"] == str(server.pid) and first["STATUS"].startswith("loading "), first
         assert {pid for _, pid, _ in notify.messages} == {server.pid}  # NotifyAccess=main would take each
         assert first_pid == server.pid
-        # Healthy: a ping every WatchdogSec/2, measured over a few seconds.
-        time.sleep(3.0)
+        # Healthy: a ping every WatchdogSec/2, measured over four of them.
+        wait_until(lambda: len(notify.times("WATCHDOG", since=ready_at)) >= 4, 30,
+                   lambda: f"four watchdog pings: {notify.messages}")
         pings = notify.times("WATCHDOG", since=ready_at)
         intervals = [b - a for a, b in zip(pings, pings[1:], strict=False)]
         # Generous bounds: the machine running the tests is shared and loaded.
@@ -226,7 +228,11 @@ def test_the_server_serves_on_when_the_notify_socket_is_gone(model):
     try:
         notify.wait_for(lambda f: "READY" in f)
         notify.close()  # the socket file is gone: every later notification fails
-        time.sleep(1.5)  # a few pings' time
+        wait_until(lambda: "not delivered to" in server.log(), 30, "the first notification that failed")
+        # Pings go on failing. The core answers a liveness probe before each ping, and nothing else asks it
+        # anything while idle: three more of its stamps are at least two more pings tried (and failed).
+        stamps = core_stamps(server.pid)
+        wait_until(lambda: core_stamps(server.pid) >= stamps + 3, 30, "three more liveness probes")
         for _ in range(3):
             answer = httpx.post(f"{server.url}/v1/completions",
                                 json={"prompt": "the cat", "max_tokens": 5, "ignore_eos": True}, timeout=60)

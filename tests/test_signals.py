@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing.synchronize import Event
 
 import pytest
 
@@ -68,7 +69,7 @@ elif mode == "startup":
             time.sleep(30)
     except StartupInterrupted as e:
         say("startup interrupted by", e.signal.name)
-        time.sleep(0.3)  # a clean-up, during which a second signal must not raise
+        sys.stdin.readline()  # a clean-up, until the test has sent a second signal, which must not raise
         say("cleaned up")
     say("recorded", len(handler.dispatch_pending()))
 handler.uninstall()
@@ -78,9 +79,13 @@ say("restored", all(signal.getsignal(s) == before[s] for s in HANDLED_SIGNALS))
 
 class Child:
     def __init__(self, mode: str, window: float = 0.5) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(window)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(window)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.line() == "ready"
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
 
     def line(self, timeout: float = 10.0) -> str:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -139,6 +144,8 @@ def test_a_stop_signal_abandons_the_startup_once(children):
     child.kill(signal.SIGTERM)
     assert child.line() == "startup interrupted by SIGTERM"
     child.kill(signal.SIGINT)
+    # The clean-up ends now: the signal, sent before, is handled before the child reads on.
+    child.send("the clean-up is over")
     assert child.line() == "cleaned up"
     assert child.line() == "graceful_stop SIGINT"  # recorded during the clean-up, dispatched after it
     assert child.line() == "recorded 1"
@@ -180,21 +187,27 @@ def test_policy_sigquit_without_a_report_is_immediate():
     assert policy.decide(signal.SIGTERM, 5.0).action is Action.IGNORE
 
 
-def _slow_child_entry() -> None:
-    time.sleep(0.5)  # an import of torch, say, before the entry sets the dispositions
+def _slow_child_entry(signalled: Event) -> None:
+    # A slow start (an import of torch, say) before the entry sets the dispositions: it lasts until the test
+    # has sent its signals, so that they come before the dispositions however the machine is loaded.
+    assert signalled.wait(60)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A signal still pending is discarded, being ignored, or else delivered as this returns, before any
+    # later code: nothing is left to come after it.
     unblock_child_signals()
-    time.sleep(0.2)
 
 
 @pytest.mark.parametrize("blocked", [True, False])
 def test_a_stop_signal_during_a_childs_start_does_not_kill_it_when_blocked(blocked):
-    child = mp.get_context("spawn").Process(target=_slow_child_entry, daemon=True)
+    context = mp.get_context("spawn")
+    signalled = context.Event()
+    child = context.Process(target=_slow_child_entry, args=(signalled,), daemon=True)
     with signals_blocked_for_child() if blocked else contextlib.nullcontext():
         child.start()
     os.kill(child.pid, signal.SIGTERM)
     os.kill(child.pid, signal.SIGINT)
-    child.join(10)
+    signalled.set()
+    child.join(60)
     assert child.exitcode == (0 if blocked else -signal.SIGTERM)
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()

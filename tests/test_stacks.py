@@ -5,52 +5,49 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 from gracelm.lifecycle.stacks import request_stack_dumps
+from tests.process_checks import answers
 
-# A child that installs the handler the server's children install, then says so and waits.
+# A child that says it runs, then echoes each line it reads: its answer after a signal was sent shows that
+# the signal did not end it (`answers`).
+ECHO = r"""
+import sys
+print("ready", flush=True)
+for line in sys.stdin:
+    print(line, end="", flush=True)
+"""
+# The same, with the handler the server's children install.
 WITH_HANDLER = r"""
-import time
 from gracelm.lifecycle.stacks import install_child_stack_dump
 install_child_stack_dump()
-print("ready", flush=True)
-time.sleep(30)
-"""
+""" + ECHO
 
 
-def _wait_for_exec(pid: int, name: str) -> None:
-    """Until `pid` runs `name`: before its exec it is a copy of this process, with this process's handlers."""
-    deadline = time.monotonic() + 10
-    while True:
-        with open(f"/proc/{pid}/comm") as comm:
-            if comm.read().strip() == name:
-                return
-        assert time.monotonic() < deadline, f"pid {pid} never became {name}"
-        time.sleep(0.01)
+def _child(source: str) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", source], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    # Python runs: the child has exec'd, and no longer has this process's handlers.
+    assert child.stdout.readline().strip() == "ready"
+    return child
 
 
 def test_a_process_without_a_stack_dump_handler_is_not_signalled():
-    sleeper = subprocess.Popen(["sleep", "30"])
+    child = _child(ECHO)  # Python leaves SIGUSR1 at its default action
     try:
-        _wait_for_exec(sleeper.pid, "sleep")
-        assert request_stack_dumps([sleeper.pid]) == []
-        time.sleep(0.2)
-        assert sleeper.poll() is None  # SIGUSR1's default action would have killed it
+        assert request_stack_dumps([child.pid]) == []
+        assert answers(child)  # SIGUSR1's default action would have killed it
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        child.kill()
+        child.communicate()
 
 
 def test_a_process_with_the_handler_is_signalled_dumps_its_stacks_and_carries_on():
     """The control for the test above: the same call does signal a process that catches SIGUSR1."""
-    child = subprocess.Popen([sys.executable, "-c", WITH_HANDLER], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = _child(WITH_HANDLER)
     try:
-        assert child.stdout.readline().strip() == "ready"
         assert request_stack_dumps([child.pid]) == [child.pid]
-        time.sleep(0.3)
-        assert child.poll() is None
+        assert answers(child)  # the handler ran (its dump is written by then) and the child went on
     finally:
         child.kill()
         _, err = child.communicate()

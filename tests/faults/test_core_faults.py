@@ -24,7 +24,14 @@ from tests.faults.helpers import (
     serve,
     wait_stopped,
 )
-from tests.server_process import ServerProcess, Stream, start_streams
+from tests.process_checks import wait_until
+from tests.server_process import ServerProcess, Stream, metric_value, start_streams
+
+
+def requests_in_engine(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return (metric_value(text, "gracelm_num_requests_running")
+            + metric_value(text, "gracelm_num_requests_waiting"))
 
 
 def test_kill_9_of_the_engine_core_under_load_is_fatal_within_2_s(model):
@@ -32,7 +39,7 @@ def test_kill_9_of_the_engine_core_under_load_is_fatal_within_2_s(model):
     streams = start_streams(server.url, 2, max_tokens=400)
     plain: list[httpx.Response] = []
     plain_thread = plain_request(server.url, plain)
-    time.sleep(0.3)
+    wait_until(lambda: requests_in_engine(server) == 3, 30, "the plain request in the engine")
     core = core_of(server)
     killed = time.monotonic()
     core.kill()
@@ -54,7 +61,8 @@ def test_sigusr1_dumps_every_stack_then_an_injected_exception_is_fatal(model):
     server = serve(model, test_raise_after_steps=30)
     core = core_of(server)
     server.process.send_signal(signal.SIGUSR1)
-    time.sleep(0.5)
+    wait_until(lambda: f"Python stacks of pid {server.pid} (SIGUSR1)" in (log := server.log())
+               and "most recent call first" in log, 30, lambda: f"both dumps in the log:\n{server.log()}")
     short = httpx.post(f"{server.url}/v1/completions",
                        json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
     assert short.status_code == 200 and short.json()["choices"][0]["finish_reason"] == "length"
@@ -134,7 +142,7 @@ def _drive_by_request(server: ServerProcess) -> Stream:
 
 def _drive_by_kill(server: ServerProcess) -> Stream:
     (stream,) = start_streams(server.url, 1, max_tokens=400)
-    time.sleep(0.3)
+    wait_until(lambda: len(stream.events) >= 5, 30, "tokens of the stream")  # the core in mid-generation
     core_of(server).kill()
     return stream.join(30)
 

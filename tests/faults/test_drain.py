@@ -13,6 +13,8 @@ import httpx
 import psutil
 import pytest
 
+from gracelm.lifecycle.signals import REPEAT_WINDOW_S
+from tests.process_checks import wait_until
 from tests.server_process import ServerProcess, start_streams
 
 EXPECTED_KINDS = {"process", "thread", "task", "socket", "zmq context", "directory", "shared memory", "model",
@@ -104,7 +106,10 @@ def test_second_sigint_during_the_drain_stops_at_once(model):
     streams = start_streams(server.url, 2, max_tokens=400)
     server.capture()
     server.process.send_signal(signal.SIGINT)
-    time.sleep(0.8)  # past the repeat window: an operator's second request
+    wait_until(lambda: httpx.get(f"{server.url}/ready").status_code == 503, 30, "the drain to begin")
+    # The first SIGINT was taken before the drain began: its repeat window, a span of time, ends within
+    # the window from now. Past it: an operator's second request, not the first delivered again.
+    time.sleep(REPEAT_WINDOW_S + 0.1)
     assert_draining_refuses(server)
     forced = time.monotonic()
     server.process.send_signal(signal.SIGINT)

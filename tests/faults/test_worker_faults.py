@@ -20,7 +20,7 @@ from tests.faults.helpers import (
     leave_nothing_behind,
     serve,
 )
-from tests.process_checks import assert_nothing_left
+from tests.process_checks import assert_nothing_left, core_stamps, wait_until
 from tests.server_process import ServerProcess, start_streams
 from tests.two_nodes import TwoNodes
 
@@ -42,8 +42,10 @@ def test_worker_killed_under_load_is_fatal_at_once(tp_model):
         errors: list[BaseException] = []
         long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         thread = threading.Thread(target=lambda: _record(errors, engine.generate, PROMPTS * 4, long))
+        stamps = core_stamps(os.getpid())
         thread.start()
-        time.sleep(0.5)
+        # Under load: the core steps (idle, sent nothing, it never stamps).
+        wait_until(lambda: core_stamps(os.getpid()) >= stamps + 10, 60, "the core to step")
         (worker,) = _worker_pids(os.getpid())
         killed = time.monotonic()
         os.kill(worker, signal.SIGKILL)
