@@ -20,8 +20,10 @@ _REF_TEMPLATE = "#/components/schemas/{model}"
 # Every error status the server answers, with OpenAI's error body; a route lists those it can give.
 _ERRORS: dict[int, str] = {
     400: "Invalid request: not JSON, a field of the wrong type, a value out of range or over a limit, a "
-         "prompt that does not fit the context (`param` names the field).",
+         "prompt that does not fit the context (`param` names the field); or a `Host` not in "
+         "`--allowed-hosts`.",
     401: "Missing or wrong API key (only when the server has one).",
+    403: "A browser's request from another site than `--allowed-origins` (`Origin`, `Sec-Fetch-Site`).",
     404: "The `model` asked for is not the one served; the file or batch named does not exist; or (files and "
          "batches) the server keeps no state directory (`--state-dir`).",
     409: "The batch is at its end, or finalizing, and cannot be cancelled.",
@@ -32,6 +34,10 @@ _ERRORS: dict[int, str] = {
     503: "The server takes no new requests (draining, stopping) or too many wait to start "
          "(`--max-waiting-requests`); `Retry-After` says when to retry. Also a request aborted by a stop.",
 }
+
+
+# What the guards answer, before any route (`_add_guard_answers`).
+_GUARD_STATUSES = (400, 403)
 
 
 class HealthStatus(BaseModel):
@@ -104,10 +110,22 @@ def install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = copy.deepcopy(build())  # the routes' own dicts (`openapi_extra`, `responses`) stay whole
             _move_defs(schema["paths"], schema.setdefault("components", {}).setdefault("schemas", {}))
+            _add_guard_answers(schema["paths"])
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
+
+
+def _add_guard_answers(paths: dict[str, Any]) -> None:
+    """The guards' refusals (`server/guards.py`: a `Host` not allowed, a browser's request from another site)
+    come before any route, so every route can answer them."""
+    body = {"application/json": {"schema": {"$ref": _REF_TEMPLATE.format(model=ErrorResponse.__name__)}}}
+    for operations in paths.values():
+        for operation in operations.values():
+            for status in _GUARD_STATUSES:
+                answer = {"description": _ERRORS[status], "content": body}
+                operation["responses"].setdefault(str(status), answer)
 
 
 def _move_defs(node: Any, components: dict[str, Any]) -> None:
