@@ -1,7 +1,7 @@
 """Builds gracelm's one compiled library, `gracelm._kernels` (fused paged decode attention, the GGUF blocks'
-matmul and torch's 4-bit one as an op of its own, on the CPU, `gracelm/csrc/`), against the installed torch: install with `pip install
---no-build-isolation`, torch first (`scripts/bootstrap.sh` does). Everything else about the package is in
-pyproject.toml."""
+matmul and torch's 4-bit one as an op of its own, on the CPU, `gracelm/csrc/`), against the installed torch:
+install with `pip install --no-build-isolation`, torch first (`scripts/bootstrap.sh` does). Everything else
+about the package is in pyproject.toml."""
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
