@@ -28,7 +28,7 @@ from openai import OpenAI
 
 from gracelm import Engine, SamplingParams
 from gracelm.cache_dir import ENV
-from tests.faults.helpers import small_filesystem
+from tests.faults.helpers import memory_cgroup, small_filesystem
 from tests.kernel_paths import PATHS, KernelPath, matrix_gguf
 from tests.server_process import ServerProcess, metric_value
 from tests.test_gguf import VOCAB
@@ -243,6 +243,25 @@ def test_a_runtime_directory_too_small_for_the_graphs_costs_them_never_the_start
             client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
             assert greedy_answer(client, prompt(5, 9), 20)
         assert list(small.iterdir()) == []
+
+
+def test_a_compiler_that_would_not_fit_in_memory_costs_the_graphs_never_the_start(tmp_path: Path) -> None:
+    """The compiler loads a model of its own: inside a memory limit that holds the server but not it, the
+    graphs are given up before it starts (with an empty graph cache, a start would compile), /metrics says
+    so, and the server serves eagerly."""
+    path = next((path for path in PATHS if path.compiled and path.why_not_here() is None), None)
+    if path is None:
+        pytest.skip("no compiled path runs here")
+    args = [*path.server_args(), "--served-model-name", "tiny", "--num-threads", "1",
+            "--max-model-len", "256"]
+    with memory_cgroup(1200 << 20) as (_, prefix), \
+            ServerProcess(matrix_gguf(), *args, env={ENV: str(tmp_path / "cache")}, prefix=prefix) as server:
+        assert kernel_paths(server)["decode_graph"] == "eager-fallback"
+        refusal = "decode graph: not compiled: the compiler's copy of the model and its work need"
+        assert refusal in server.log() and "memory cgroup" in server.log(), server.log()[-3000:]
+        assert not list((tmp_path / "cache").rglob("*.pt2"))
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        assert greedy_answer(client, prompt(5, 9), 20)
 
 
 def test_the_run_says_which_paths_ran(capsys: pytest.CaptureFixture) -> None:

@@ -156,7 +156,7 @@ class EngineCore:
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "num_preemptions": self.num_preemptions, "state": self.state.value,
                 "max_model_len": self.max_model_len, "kernel_paths": self.executor.kernel_paths(),
-                "compiled_steps": self.executor.compiled_steps()}
+                "compiled_steps": self.executor.compiled_steps(), "memory": self.executor.memory_use()}
 
     def set_state(self, state: CoreState) -> None:
         if state is not self.state:

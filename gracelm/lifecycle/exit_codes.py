@@ -5,7 +5,8 @@ succeed (restarting that one in a loop only hides the cause).
     0  CLEAN_STOP       stopped on request (SIGTERM, SIGINT, `Engine.shutdown()`), after the drain
     1  FATAL            a failure while serving: a child died, raised, reported a fatal error or hung
     2  USAGE            bad command line or option values; nothing was started
-    3  STARTUP_FAILURE  the server could not start (port taken, model not loadable, engine core failed)
+    3  STARTUP_FAILURE  the server could not start (port taken, model not loadable or not fitting in
+                        memory, engine core failed)
   130  INTERRUPTED      `gracelm run-batch` stopped by Ctrl-C before its end (128 + SIGINT, as a shell
                         reports it); its finished lines are kept, and the same command resumes it
 

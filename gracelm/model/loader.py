@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -23,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 import gracelm.cpu_features as cpu_features
 from gracelm.config import QUANTIZATION_CHOICES, ModelConfig
+from gracelm.memory_budget import gib, require
 from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import LlamaForCausalLM
 from gracelm.model.load_progress import load_progress
@@ -44,6 +46,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 INDEX_FILE = "model.safetensors.index.json"
+# Beside the weights, what loading takes: torch's and the tokenizer's own allocations, the module's build.
+_LOAD_MARGIN = 256 << 20
 # Checkpoint tensors the module recomputes or shares instead of loading.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -98,6 +102,8 @@ def _load_hf_directory(path: Path, dtype: str, device: torch.device) -> LoadedMo
     with ExitStack() as stack:
         handles = {file: stack.enter_context(_open_safetensors(file)) for file in _safetensors_files(path)}
         target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_safetensors(handles.values(), device)
+        shapes = [handle.get_slice(name).get_shape() for handle in handles.values() for name in handle.keys()]
+        _check_weights_fit(shapes, 0, target, device)
         state = dict(_read_tensors(handles, target))
     mark("weights")
     model = build_model(config, state, target, source=path)
@@ -112,32 +118,50 @@ def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.dev
 
     model_file = open_gguf(path)
     target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_gguf(model_file.gguf, device)
+    low_bit = _low_bit_form(model_file, target, dtype, quantization, device)
+    tensors = model_file.gguf.tensors
+    low_bit_bytes = sum(tensors[name].nbytes for name in model_file.int4_matrices()) if low_bit else 0
+    _check_weights_fit([info.shape for info in tensors.values()], low_bit_bytes, target, device)
     tokenizer = model_file.tokenizer()
     mark("tokenizer")
     state = model_file.weights(target)
-    int4 = _int4_weights(model_file, target, dtype, quantization, device)
+    int4 = model_file.low_bit_weights(low_bit) if low_bit is not None else {}
     mark("weights")
     model = build_model(model_file.config, state, target, source=path)
     mark("model")
     return LoadedModel(model_file.config, model, tokenizer, path, target, path.stem, device, int4)
 
 
-def _int4_weights(model_file: GGUFModel, dtype: torch.dtype, dtype_asked: str, quantization: str,
-                  device: torch.device) -> dict[str, LowBitForm]:
-    """The file's 4- and 8-bit matrices in the low-bit form `quantization` asks for on this CPU
-    (`quantized_linear.form_for`), where a low-bit kernel serves (both are CPU kernels)."""
+def _low_bit_form(model_file: GGUFModel, dtype: torch.dtype, dtype_asked: str, quantization: str,
+                  device: torch.device) -> type[LowBitForm] | None:
+    """The low-bit form `quantization` asks for on this CPU (`quantized_linear.form_for`) for the file's 4-
+    and 8-bit matrices, where a low-bit kernel serves them (both are CPU kernels); None where none does."""
     try:
         form = form_for(quantization)
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
     if form is None or not model_file.int4_matrices():
-        return {}
+        return None
     if device.type != "cpu" or not int4_serves(dtype, dtype_asked):
         logger.info("%s: its 4-bit matrices are served dequantized, in %s (%s asked) on %s: the low-bit "
                     "kernels serve CPU models in bfloat16, or in float32 chosen by --dtype auto",
                     model_file.gguf.path, str(dtype).removeprefix("torch."), dtype_asked, device)
-        return {}
-    return model_file.low_bit_weights(form)
+        return None
+    return form
+
+
+def _check_weights_fit(shapes: list, low_bit_bytes: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuses (`MemoryBudgetError`) a CPU model whose weights would not fit in the memory available: the
+    dense tensors in `dtype`, the low-bit copy, and while converting, one tensor in float32 twice over
+    (dequantized, then cast) beside a margin for the loader's own work."""
+    if device.type != "cpu":
+        return
+    sizes = [math.prod(shape) for shape in shapes]
+    dense = sum(sizes) * dtype.itemsize
+    need = dense + low_bit_bytes + max(sizes, default=0) * 8 + _LOAD_MARGIN
+    require(need, f"the model's weights ({gib(dense)} dense in {str(dtype).removeprefix('torch.')}, "
+                  f"{gib(low_bit_bytes)} in a low-bit form) and their loading",
+            "free memory, raise the limit, or serve a smaller file or one of fewer bits")
 
 
 def build_model(

@@ -89,6 +89,8 @@ METRICS = (
            "1 for the engine core's shutdown state (running, requested, shutting_down).", ("state",)),
     _gauge("kernel_path", "kernel_path", "1 for the kernel path each part of a step takes now (part: linear, "
            "decode_attention, decode_graph; docs/kernel_paths.md).", ("part", "path")),
+    _gauge("memory", "memory_bytes", "Bytes the engine core (rank 0) holds, by part: weights (every form "
+           "loaded), kv_cache, and workspace (the rest of its resident memory).", ("part",)),
     _gauge("startup_phase", "startup_phase_seconds",
            "Seconds each phase of the start took (set once; phase total: all).", ("phase",)),
     _counter("prompt_tokens", "prompt_tokens", "Prompt tokens processed."),
@@ -193,6 +195,8 @@ class ServerMetrics:
         self.kv_free.labels(**self._label).set(stats["kv_blocks_free"])
         self.set_core_state(stats.get("state"))
         self.set_kernel_paths(stats.get("kernel_paths", {}))
+        for part, size in stats.get("memory", {}).items():
+            self.memory.labels(**self._label, part=part).set(size)
         queries = stats.get("prefix_cache_queries", 0)
         self.prefix_hit_rate.labels(**self._label).set(stats.get("prefix_cache_hits", 0) / queries
                                                        if queries else 0.0)

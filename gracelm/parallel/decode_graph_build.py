@@ -30,6 +30,7 @@ import gracelm.cpu_features as cpu_features
 from gracelm.config import EngineConfig
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import ChildProcess, exit_process, start_process
+from gracelm.memory_budget import available_memory, gib
 from gracelm.model.decode_graph import (
     DecodeGraph,
     compile_graph,
@@ -43,10 +44,14 @@ from gracelm.model.decode_graph_check import check
 from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import low_bit_layout
 from gracelm.model.loader import LoadedModel, load_model
+from gracelm.model.memory_use import tensor_bytes
 
 logger = logging.getLogger(__name__)
 
 COMPILER_ENTRY = "gracelm.parallel.decode_graph_build:compile_in_child"
+# What the compiler takes beside its copy of the weights: torch's inductor, the traced graphs, the C++
+# compiler it runs.
+_COMPILER_WORK = 1 << 30
 _STOP_TIMEOUT_S = 5.0
 
 
@@ -69,13 +74,26 @@ class DecodeGraphBuild:
         self.failures: list[str] = []  # why a graph does not serve
         self._load_written()
         self._child: ChildProcess | None = None
-        if not self._pending:
+        if not self._pending or not self._compiler_fits():
             return
         self._child = start_process("decode graph compiler", "gracelm::compile", COMPILER_ENTRY, (config,))
         logger.info("decode graph: compiling in the background (pid %d): %d graph(s); eager until each is "
                     "ready", self._child.pid, len(self._pending))
         ledger.acquire(ResourceKind.PROCESS, f"decode graph compiler (pid {self._child.pid})", self._stop,
                        timeout=_STOP_TIMEOUT_S + 1)
+
+    def _compiler_fits(self) -> bool:
+        """Whether the compiler, which loads a model of its own, fits in the memory left now; where it
+        does not, the graphs are given up (`eager-fallback`): they cost speed, the child could cost the
+        server (an OOM kill picks the largest process, the engine core)."""
+        need = tensor_bytes(self.loaded.model) + _COMPILER_WORK
+        available = available_memory()
+        if need <= available.bytes:
+            return True
+        self._fail(f"not compiled: the compiler's copy of the model and its work need {gib(need)}, and "
+                   f"{gib(available.bytes)} is available ({available.source})")
+        self._pending.clear()
+        return False
 
     def poll(self) -> None:
         """Loads each graph once the child has written it (called between steps: a stat per missing graph,

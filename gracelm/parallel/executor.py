@@ -138,6 +138,10 @@ class Executor:
         graph = "eager" if self.graph_build is None else self.graph_build.status()
         return {**self._driver.kernel_paths(), "decode_graph": graph}
 
+    def memory_use(self) -> dict[str, int]:
+        """Rank 0's memory by part (`Worker.memory_use`)."""
+        return self._driver.memory_use()
+
     def compiled_steps(self) -> int:
         """Steps rank 0 ran through a compiled decode graph so far."""
         return 0 if self._driver.loaded is None else self._driver.loaded.model.model.compiled_steps

@@ -34,6 +34,7 @@ import torch
 import gracelm.cpu_features as cpu_features
 from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.lifecycle.faults import faults
+from gracelm.memory_budget import available_memory, gib, require
 from gracelm.model import decode_attention
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
 from gracelm.model.batch_invariant import make_batch_invariant
@@ -42,6 +43,7 @@ from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.kv_cache_commit import KVCacheCommit
 from gracelm.model.llama import describe_linear_kernels, linear_path
 from gracelm.model.loader import LoadedModel, load_model
+from gracelm.model.memory_use import tensor_bytes
 from gracelm.model.prompt_logprobs import prompt_logprobs
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
 from gracelm.model.token_constraints import ConstraintStates, has_constraints
@@ -129,6 +131,17 @@ class Worker:
                                                               self.config.decode_attention)
         return paths
 
+    def memory_use(self) -> dict[str, int]:
+        """Bytes this rank's process holds (`/metrics`, `gracelm_memory_bytes`): its weights, in every form
+        loaded; its KV cache; and the rest of its resident memory, the workspace (activations, the heap,
+        torch's and Python's own); none once the model is freed."""
+        if self.loaded is None:
+            return {}
+        weights = tensor_bytes(self.shard if self.shard is not None else self.loaded.model)
+        kv_cache = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
+        resident = psutil.Process().memory_info().rss
+        return {"weights": weights, "kv_cache": kv_cache, "workspace": max(0, resident - weights - kv_cache)}
+
     @property
     def shard_config(self) -> ModelConfig:
         """The shape of this rank's part of the model: what its KV cache holds."""
@@ -150,6 +163,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         assert self.loaded is not None
+        if self.device.type == "cpu":
+            self._check_kv_fits(num_blocks)
         self.num_kv_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
                                            self.loaded.dtype, self.device)
@@ -159,6 +174,32 @@ class Worker:
             logger.info("rank %d decode attention: %s", self.rank,
                         decode_attention.describe(self.kv_caches[0], self.config.deterministic,
                                                   self.config.decode_attention))
+
+    def _check_kv_fits(self, num_blocks: int) -> None:
+        """Refuses (`MemoryBudgetError`) a KV cache that, with a step's workspace, would not fit in the
+        memory left once the weights are loaded. The node's ranks each allocate as much at once, so each
+        checks for all of them."""
+        local_ranks = self.world_size // self.config.nnodes
+        block = self.kv_block_bytes() * local_ranks
+        workspace = self.workspace_bytes() * local_ranks
+        fits = max(0, available_memory().bytes - workspace) // block * block
+        require(num_blocks * block + workspace,
+                f"the KV cache ({gib(num_blocks * block)}) and a step's workspace ({gib(workspace)})",
+                f"a --kv-cache-memory of at most {gib(fits)} fits, or a smaller --max-model-len or "
+                f"--max-num-seqs (which cap the blocks it is given)")
+
+    def workspace_bytes(self) -> int:
+        """What a step may hold beside the weights and the KV cache, at most: the activations of its
+        `max_num_batched_tokens` rows, a prompt chunk's attention scores, the logits and the sampler's
+        work on `max_num_seqs` rows, all in float32, the widest. (The freed heap the process keeps,
+        `heap.py`, is what a step freed: the next one reuses it.)"""
+        model = self.shard_config
+        rows, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        activations = rows * (6 * model.hidden_size + 3 * model.intermediate_size) * 4
+        scores = model.num_attention_heads * rows * min(rows, 4096) * 4
+        # logits, probabilities, sorted values (float32) and their indices (int64)
+        sampling = seqs * model.vocab_size * (4 + 4 + 4 + 8)
+        return activations + scores + sampling
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:

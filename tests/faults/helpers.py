@@ -1,19 +1,22 @@
-"""What the fault cases share: a slowed tiny server, its core, how it must end, a full filesystem, the core's
-end lines in the log, and the clean-up after a case that failed half-way."""
+"""What the fault cases share: a slowed tiny server, its core, how it must end, a full filesystem, a memory
+cgroup, the core's end lines in the log, and the clean-up after a case that failed half-way."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
+from gracelm.memory_budget import CGROUP_ROOT
 from tests.server_process import ServerProcess
 
 
@@ -87,6 +90,36 @@ def small_filesystem(tmp_path, size: str = "64k"):
         yield mount_point
     finally:
         subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int):
+    """A memory cgroup (v1 or v2) under this process's own, limited to `limit` bytes, and the prefix of a
+    command that runs in it; removed at the end. Skips where the test may not make one (no write access
+    to the cgroup tree, or v2 without the memory controller delegated)."""
+    own = {controllers: path for _, controllers, path in
+           (line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines())}
+    for parent, limit_file in ((CGROUP_ROOT / "memory" / own.get("memory", "").lstrip("/"),
+                                "memory.limit_in_bytes"),
+                               (CGROUP_ROOT / own.get("", "").lstrip("/"), "memory.max")):
+        if "memory" not in own and limit_file == "memory.limit_in_bytes":
+            continue
+        folder = parent / f"gracelm-test-{os.getpid()}"
+        try:
+            folder.mkdir()
+        except OSError:
+            continue
+        try:
+            (folder / limit_file).write_text(str(limit))
+        except OSError:
+            folder.rmdir()
+            continue
+        try:
+            yield folder, ("sh", "-c", f'echo $$ > {folder / "cgroup.procs"} && exec "$@"', "sh")
+        finally:
+            folder.rmdir()
+        return
+    pytest.skip("no memory cgroup can be made here (no write access to /sys/fs/cgroup's memory tree)")
 
 
 def fill(mount_point) -> None:
