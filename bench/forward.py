@@ -6,6 +6,7 @@
     .venv/bin/python bench/forward.py --int4                  # decode: dense vs int4 vs the dispatch
     .venv/bin/python bench/forward.py --decode-graph          # one sequence's decode: compiled vs eager
     .venv/bin/python bench/forward.py --llama-bench           # beside llama-bench -t 2 -p 512 -n 128
+    .venv/bin/python bench/forward.py --llama-bench --dense-weights on   # prompts through the dense copy
 
 On the default model (SmolLM2-135M-Instruct), frozen as the engine runs it (`LoadedModel.freeze()`: in
 bfloat16, its 4-bit matrices serve steps of few rows through the int4 kernel, see
@@ -54,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from gracelm.config import EngineConfig, ModelConfig
+from gracelm.config import DENSE_WEIGHTS_CHOICES, EngineConfig, ModelConfig
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.decode_graph import DecodeGraph, compile_graph, graph_batches, graph_key, graph_path
 from gracelm.model.file_hash import content_hash
@@ -283,7 +284,7 @@ class HFPrefill:
 
 
 def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
-    loaded = load_model(None, dtype=dtype)
+    loaded = load_model(None, dtype=dtype, dense_weights=args.dense_weights)
     config = loaded.config
     kv_dtype = DTYPES[args.kv_dtype] if args.kv_dtype else loaded.dtype
     hf = transformers_model(loaded) if args.hf else None  # built from the HF-named weights, before freezing
@@ -451,7 +452,7 @@ def compare_with_llama_bench(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"no llama-bench at {args.llama_bench}; run `bench/serve.py setup-llama-cpp` first")
     models = {}
     for dtype in args.dtypes:  # as the engine runs it: int4 forms and compiled decode steps where they apply
-        models[dtype] = load_model(None, dtype=dtype)
+        models[dtype] = load_model(None, dtype=dtype, dense_weights=args.dense_weights)
         models[dtype].freeze()
         if graph_applies(EngineConfig(), models[dtype], 1):
             models[dtype].model.model.decode_graphs = decode_graphs(models[dtype])
@@ -502,6 +503,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--int4", action="store_true",
                    help="compare decode with dense, int4 and the dispatch (default batches "
                         "1,2,4,8,16,32)")
+    p.add_argument("--dense-weights", default="auto", choices=DENSE_WEIGHTS_CHOICES,
+                   help="the model's dense copy, as gracelm serve's option (its default: auto)")
     p.add_argument("--quantization", default="auto", choices=["auto", "blocks", "int4"],
                    help="--int4's low-bit form (see gracelm serve --help)")
     p.add_argument("--decode-graph", action="store_true",

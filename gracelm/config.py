@@ -121,6 +121,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # 8-bit-activation kernel (AVX-512 VNNI), "int4" through torch's int4 kernel, "auto" the first where the CPU
 # runs it; "none": dense weights for every step (`model/quantized_linear.py:form_for`).
 QUANTIZATION_CHOICES = ("auto", "blocks", "int4", "none")
+DENSE_WEIGHTS_CHOICES = ("auto", "on", "off")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 # How decode tokens are attended (`model/decode_attention.py`): gracelm's fused kernel where it serves
 # ("auto"), that kernel or a start-up failure naming why it cannot ("fused"), torch's ops ("unfused").
@@ -152,6 +153,11 @@ class EngineConfig:
                                        "decode steps of up to 8 sequences), auto (blocks where the CPU has "
                                        "VNNI, else int4), none (dense weights only)",
                                choices=QUANTIZATION_CHOICES)
+    dense_weights: str = option("auto", "a dense bfloat16 copy of the 4/8-bit matrices, for prompts of 16 "
+                                        "tokens or more: on (memory: about 4x a 4-bit file's matrices "
+                                        "beside them), off (every row through the file's blocks), auto "
+                                        "(off where the blocks kernel serves, one CPU rank, not "
+                                        "deterministic; else on)", choices=DENSE_WEIGHTS_CHOICES)
     device: str = option("auto", "where the model, KV cache and sampler run (auto: cuda when torch sees a "
                                  "GPU and tensor_parallel_size is 1, else cpu)", choices=DEVICE_CHOICES)
     tensor_parallel_size: int = option(1, "ranks the model is split over (heads and MLP width must divide "
@@ -213,6 +219,20 @@ class EngineConfig:
             raise ValueError("device cuda (--device) is not supported with tensor_parallel_size > 1 yet: the "
                              "ranks' collectives run on the CPU")
         self._check_kv_cache_dir()
+        self._check_dense_weights()
+
+    def _check_dense_weights(self) -> None:
+        """What needs the dense weights refuses `dense_weights off` by name: they are what tensor parallelism
+        splits, what deterministic mode computes with, and all that quantization none has."""
+        if self.dense_weights != "off":
+            return
+        needs = [reason for reason, applies in (
+            ("tensor_parallel_size > 1 (the ranks split dense weights)", self.tensor_parallel_size > 1),
+            ("deterministic (computed with dense weights)", self.deterministic),
+            ("quantization none (dense weights only)", self.quantization == "none"),
+            ("device cuda (the blocks kernel is a CPU one)", self.device == "cuda")) if applies]
+        if needs:
+            raise ValueError(f"dense_weights off (--dense-weights) cannot serve {'; '.join(needs)}")
 
     def _check_kv_cache_dir(self) -> None:
         if self.kv_cache_dir is None:

@@ -66,6 +66,7 @@ PATHS = [
     KernelPath("int4-bfloat16", mask=("avx512_vnni",), needs=("avx512",), compiled=True),
     KernelPath("avx2-float32", mask=("avx512",), needs=("avx2",), compiled=True),
     KernelPath("blocks-vnni-eager", mask=("amx",), needs=("avx512_vnni",)),
+    KernelPath("blocks-dense-copy", options={"dense_weights": "on"}, needs=("avx512_vnni",)),
     KernelPath("baseline-float32", mask=("avx2",)),
     KernelPath("dense", options={"quantization": "none"}),
     KernelPath("unfused-attention", options={"decode_attention": "unfused"}),

@@ -165,6 +165,12 @@ def test_a_usage_error_prints_the_subcommands_usage(args, usage):
     (["serve", "--generation-config", "/"], "generation_config must be auto, vllm or a folder"),
     (["serve", "--api-key", ""], "api_key must not be empty"),
     (["serve", "--quantization", "awq"], "argument --quantization: invalid choice: 'awq'"),
+    (["serve", "--dense-weights", "off", "--deterministic"],
+     "dense_weights off (--dense-weights) cannot serve deterministic"),
+    (["serve", "--dense-weights", "off", "--tensor-parallel-size", "2"],
+     "dense_weights off (--dense-weights) cannot serve tensor_parallel_size > 1"),
+    (["serve", "--dense-weights", "off", "--quantization", "none"],
+     "dense_weights off (--dense-weights) cannot serve quantization none"),
 ])
 def test_a_bad_value_is_a_usage_error_naming_it(args, problem):
     result = _usage_error(*args)

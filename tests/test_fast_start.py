@@ -25,7 +25,7 @@ from gracelm.model.file_hash import content_hash
 from gracelm.model.load_progress import load_progress
 from gracelm.model.loader import load_model
 from gracelm.model.tokenizer_cache import entry_path as tokenizer_entry
-from gracelm.model.weight_cache import MAX_ENTRIES, cached_weights
+from gracelm.model.weight_cache import MAX_ENTRIES, cached_tensors
 from gracelm.model.weight_cache import entry_path as weights_entry
 from tests.resident_memory import resident_kb
 from tests.server_process import ServerProcess
@@ -119,16 +119,16 @@ def test_a_directory_model_keeps_its_tokenizer_too() -> None:
 def test_the_weights_cache_keeps_the_most_recently_used_entries(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
-    shapes = {"w": (2, 3)}
+    expected = {"w": ((2, 3), torch.float32)}
     hashes = [f"{i:064x}" for i in range(MAX_ENTRIES + 2)]
     folder = weights_entry(hashes[0], torch.float32).parent
     stale_version = folder / f"{hashes[0]}-float32-v0.safetensors"
     stale_version.write_bytes(b"old format")
     for i, model_hash in enumerate(hashes):
-        cached_weights(model_hash, torch.float32, shapes, lambda: {"w": torch.zeros(2, 3)})
+        cached_tensors(model_hash, torch.float32, expected, lambda: {"w": torch.zeros(2, 3)})
         os.utime(weights_entry(model_hash, torch.float32), (1000 + i, 1000 + i))
         if i == 1:  # used again: the newest for a while
-            cached_weights(hashes[0], torch.float32, shapes, lambda: pytest.fail("a hit converts nothing"))
+            cached_tensors(hashes[0], torch.float32, expected, lambda: pytest.fail("a hit converts nothing"))
             os.utime(weights_entry(hashes[0], torch.float32), (5000, 5000))
     kept = sorted(p.name for p in folder.iterdir())
     assert len(kept) == MAX_ENTRIES
@@ -145,7 +145,8 @@ def test_an_unwritable_cache_serves_anyway(tmp_path: Path, monkeypatch: pytest.M
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(weight_cache, "write_atomic", refuse)
-    weights = cached_weights("ab" * 32, torch.float32, {"w": (2,)}, lambda: {"w": torch.ones(2)})
+    expected = {"w": ((2,), torch.float32)}
+    weights = cached_tensors("ab" * 32, torch.float32, expected, lambda: {"w": torch.ones(2)})
     assert torch.equal(weights["w"], torch.ones(2))
     assert "cannot keep the converted weights" in caplog.text
 

@@ -212,6 +212,8 @@ def test_a_path_serves_concurrent_mixed_work_as_the_dense_path_does(path: Kernel
             assert compiled_steps(server) > steps + 100
         else:
             assert compiled_steps(server) == 0
+        if path.options.get("dense_weights") == "on":  # prompts of >= 16 tokens took the dense copy
+            assert "/dense-" in paths["linear"], paths
     assert_like_reference(references[dtype_of(path)], answers)
     with Engine(str(matrix_gguf()), **kwargs) as llm:
         prompts = [prompt(4 + (i * 7) % 40, 100 + i) for i in range(36)]  # 4 to 43 tokens: both sides of 16

@@ -7,6 +7,7 @@ import json
 import struct
 
 import httpx
+import pytest
 
 from tests.server_process import ServerProcess, metric_value
 from tests.tiny_models import tiny_model
@@ -38,3 +39,32 @@ def test_metrics_split_the_cores_memory_into_weights_kv_cache_and_workspace():
     assert workspace > 0
     # The parts add up to the core's resident memory (read a moment later: within a few MiB).
     assert abs(weights + kv_cache + workspace - resident) < 16 << 20, (weights, kv_cache, workspace, resident)
+
+
+def _file_tensor_bytes(path) -> dict[str, int]:
+    from gracelm.model.gguf_reader import read_gguf
+
+    return {name: info.nbytes for name, info in read_gguf(path).tensors.items()}
+
+
+def test_the_default_model_is_held_in_its_files_blocks_without_a_dense_copy():
+    """On a CPU whose blocks kernel serves the file's 4/8-bit blocks (AVX-512 VNNI), the default start holds
+    the file's tensors and nothing dense beside them: the weights on /metrics are the file's tensor bytes,
+    plus, the model's embeddings being tied, the logits head's own packed copy of the embedding (the
+    lookups read the file's rows, mapped)."""
+    from gracelm.model.block_linear import record_bytes, serves
+    from gracelm.model.model_files import default_model_path
+
+    if not serves():
+        pytest.skip("the blocks kernel does not serve on this CPU (AVX-512 VNNI): the dense copy is kept")
+    stored = _file_tensor_bytes(default_model_path())
+    with ServerProcess(None, "--enforce-eager", "--kv-cache-memory", "64MiB") as server:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        weights = metric_value(text, "gracelm_memory_bytes", part="weights")
+        linear = next(line for line in text.splitlines() if line.startswith("gracelm_kernel_path{")
+                      and 'part="linear"' in line and line.endswith(" 1.0"))
+    # The head's 8-bit records hold 512 weights in record_bytes(8) bytes, the file's Q8_0 blocks in 16 x 34.
+    head = stored["token_embd.weight"] * record_bytes(8) / (16 * 34)
+    within = sum(stored.values()) + head
+    assert sum(stored.values()) <= weights <= within * 1.01, (weights, within)
+    assert "dense" not in linear, linear

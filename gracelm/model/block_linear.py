@@ -18,11 +18,11 @@ for every row and does twice bfloat16's multiply-adds per instruction. Its error
 to the fourth digit).
 
 It serves decode steps of any count (`MAX_ROWS`, `quantized_linear.rows_for`): it takes less time than
-bfloat16 oneDNN at every row count measured, most at few rows, where reading the weights decides. Prompts of
-16 tokens or more keep the dense bfloat16 weights (`low_bit_gate.py`), as with torch's int4 kernel: their
-logits choose a reply's first token, where the small default model has near ties that 8-bit activations flip
-(the tests pin chat answers that sit on such ties). The figures: bench/RESULTS.md, "Weight kernels"; the
-design: docs/performance.md, "Weight kernels".
+bfloat16 oneDNN at every row count measured, most at few rows, where reading the weights decides. By default
+(`--dense-weights auto`) it serves prompts too, as llama.cpp does, and the model holds no dense copy; with a
+dense copy (`--dense-weights on`) prompts of 16 tokens or more take it (`low_bit_gate.py`): their logits
+choose a reply's first token, where the small default model has near ties that 8-bit activations can flip.
+The figures: bench/RESULTS.md, "Weight kernels"; the design: docs/performance.md, "Weight kernels".
 
 On a CPU with AMX (Sapphire Rapids and later; `amx_rows`), calls of 16 rows or more of bfloat16 activations by
 4-bit weights take a second kernel (`gracelm/csrc/block_matmul_amx.cpp`): each record is dequantized to

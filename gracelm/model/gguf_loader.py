@@ -13,6 +13,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from gracelm.config import ModelConfig, UnsupportedModelError
+from gracelm.model.block_linear import TILE
+from gracelm.model.file_embedding import FileEmbedding
 from gracelm.model.file_hash import content_hash
 from gracelm.model.gguf_config import ROPE_FREQS, gguf_model_config
 from gracelm.model.gguf_int4 import INT4_TYPES
@@ -21,7 +23,7 @@ from gracelm.model.load_progress import load_progress
 from gracelm.model.quantized_linear import LowBitForm
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import cached_tokenizer
-from gracelm.model.weight_cache import cached_tensors, cached_weights
+from gracelm.model.weight_cache import cached_tensors
 from gracelm.startup_timeline import mark
 
 # The storage types whose dequantization `gguf.quants` implements and this loader is tested with.
@@ -31,8 +33,9 @@ SUPPORTED_TENSOR_TYPES = tuple(
                  "Q5_K", "Q6_K")
 )
 
+_EMBEDDING = "token_embd.weight"
 _GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
+    _EMBEDDING: "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
@@ -49,6 +52,8 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# The matrices stacked with others after them (q with k and v, k with v, gate with up).
+_STACKED_BEFORE_OTHERS = ("attn_q", "attn_k", "ffn_gate")
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -89,16 +94,33 @@ class GGUFModel:
         path, metadata = self.gguf.path, self.gguf.metadata
         return cached_tokenizer(self.model_hash, lambda: Tokenizer.from_gguf(path, metadata=metadata))
 
-    def weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Every tensor dequantized to `dtype`, under its Hugging Face name."""
-        shapes = {hf_name: self.gguf.tensors[gguf_name].shape for gguf_name, hf_name in self.names.items()}
-        return cached_weights(self.model_hash, dtype, shapes, lambda: _converted(self, dtype))
+    def weights(self, dtype: torch.dtype, without: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """Every tensor dequantized to `dtype`, under its Hugging Face name, but those named in `without`
+        (the matrices served in their blocks alone: an entry of its own in the cache)."""
+        names = {gguf_name: hf_name for gguf_name, hf_name in self.names.items() if hf_name not in without}
+        expected = {hf_name: (self.gguf.tensors[gguf_name].shape, dtype)
+                    for gguf_name, hf_name in names.items()}
+        kind = dtype if not without else f"{str(dtype).removeprefix('torch.')}-beside-blocks"
+        return cached_tensors(self.model_hash, kind, expected, lambda: _converted(self, dtype, names))
 
     def int4_matrices(self) -> dict[str, str]:
         """GGUF name -> Hugging Face name of the matrices stored in blocks the low-bit kernels take
         (`gguf_int4.INT4_TYPES`: 4-bit ones and Q8_0)."""
         return {gguf_name: hf_name for gguf_name, hf_name in self.names.items()
                 if self.gguf.tensors[gguf_name].ggml_type in INT4_TYPES}
+
+    def unstackable_blocks(self) -> str | None:
+        """Why the blocks kernel cannot serve every `int4_matrices` entry (q, k and v are stacked, and gate
+        and up: every part but the last must be whole tiles of outputs), or None."""
+        for gguf_name in self.int4_matrices():
+            rows = self.gguf.tensors[gguf_name].shape[0]
+            if gguf_name.split(".")[-2] in _STACKED_BEFORE_OTHERS and rows % TILE:
+                return f"{gguf_name} has {rows} rows, not whole tiles of {TILE}, which stacked matrices need"
+        return None
+
+    def embedding(self, dtype: torch.dtype) -> FileEmbedding:
+        """The token embedding looked up in the file's own blocks (`file_embedding.py`)."""
+        return FileEmbedding(self.gguf, self.gguf.tensors[_EMBEDDING], dtype)
 
     def low_bit_weights(self, form: type[LowBitForm]) -> dict[str, LowBitForm]:
         """The `int4_matrices` in `form` (`BlockLinear`, or `Int4Linear`: torch's int4 kernel), under their
@@ -117,12 +139,13 @@ class GGUFModel:
                 for hf_name, info in infos.items()}
 
 
-def _converted(model: GGUFModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized, llama.cpp's rotary layout undone, cast to `dtype`, under its HF name."""
+def _converted(model: GGUFModel, dtype: torch.dtype, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` names (GGUF name -> HF name) dequantized, llama.cpp's rotary layout undone, cast to
+    `dtype`, under their HF names."""
     gguf = model.gguf
     rotary_heads = _rotary_permuted_heads(gguf, model.config)
     weights = {}
-    for gguf_name, hf_name in load_progress(model.names.items(), len(model.names), "converting weights"):
+    for gguf_name, hf_name in load_progress(names.items(), len(names), "converting weights"):
         weight = _dequantized(gguf, gguf.tensors[gguf_name])
         weights[hf_name] = _in_hf_row_order(gguf_name, weight, rotary_heads).to(dtype)
     return weights

@@ -78,9 +78,16 @@ class FrozenLinear(nn.Module):
         self.packed = _onednn_packed(weight)
         self.weight = weight if self.packed is None else None
         self.int4 = None if int4 is None else int4.to_dtype(KERNEL_DTYPE)
+        if not self.has_dense and self.int4 is None:
+            raise ValueError(f"a linear of {list(weight.shape)} has neither dense weights nor a low-bit form")
         self.int4_gate = Int4Gate(int4_max_rows)  # its own until a model shares one (`of`)
         # Batch-invariant mode: each kernel called on a fixed count of rows (`batch_invariant.py`).
         self.row_tiles: RowTiles | None = None
+
+    @property
+    def has_dense(self) -> bool:
+        """Whether it holds dense weights (none where the file's low-bit form serves every row)."""
+        return self.packed is not None or not self.weight.is_meta
 
     @property
     def int4_max_rows(self) -> int:
@@ -122,6 +129,11 @@ class FrozenLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.has_dense:
+            # The file's form alone: the rows the gate keeps from it (a long prompt's) take it in a call of
+            # their own, so that each row's kernel depends on its own sequence, not on its neighbours' rows
+            # (the AMX kernel serves calls of 16 rows or more: `block_linear.py`).
+            return self._low_bit(x)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -159,19 +171,26 @@ def linear_path(module: nn.Module) -> str:
     """The short name of the linears' kernels below `module`, for /metrics: the low-bit form's, if any, then
     the dense weights' (e.g. "blocks-vnni+amx/dense-bfloat16-onednn")."""
     linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
-    first = linears[0]
+    dense_ones = [m for m in linears if m.has_dense]
+    low_bit = next((m.int4 for m in linears if m.int4 is not None and m.int4_max_rows > 0), None)
+    if not dense_ones:  # the file's forms alone (`--dense-weights off`)
+        assert low_bit is not None
+        return low_bit.path()
+    first = dense_ones[0]
     dense = ("dense-bfloat16-onednn" if first.packed is not None  # oneDNN packs bfloat16 only
              else f"dense-{str(first.weight.dtype).removeprefix('torch.')}")
-    low_bit = next((m.int4 for m in linears if m.int4 is not None and m.int4_max_rows > 0), None)
     return dense if low_bit is None else f"{low_bit.path()}/{dense}"
 
 
 def describe_linear_kernels(module: nn.Module) -> str:
     """Which kernels the frozen linears below `module` use, for the log."""
     linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
+    with_int4 = [m for m in linears if m.int4 is not None and m.int4_max_rows > 0]
+    if not any(m.has_dense for m in linears):
+        return (f"{with_int4[0].int4.describe()} for every row, no dense copy; prompts of >= {SHORT_PROMPT} "
+                f"tokens in calls of their own ({len(linears)} matmuls)")
     dense = "bfloat16 oneDNN" if linears[0].packed is not None else f"{linears[0].weight.dtype} F.linear"
     dense = dense.replace("torch.", "")
-    with_int4 = [m for m in linears if m.int4 is not None and m.int4_max_rows > 0]
     if not with_int4:
         return f"{dense} at every batch size ({len(linears)} matmuls)"
 

@@ -2,9 +2,10 @@
 
 The module is built on the `meta` device and the checkpoint's tensors are assigned into it, so weights exist
 once in memory (cast only when the requested dtype differs from the file's). On another device than the CPU
-the built module is then moved there (`model/device.py` resolves which). A GGUF file's 4-bit matrices
-are also loaded in the int4 kernel's form (`quantization`; CPU only), a second copy for steps of few rows:
-the default model's dense bfloat16 weights take 270 MB, their int4 form 66 MB more.
+the built module is then moved there (`model/device.py` resolves which). A GGUF file's 4- and 8-bit
+matrices are loaded in a low-bit kernel's form (`quantization`; CPU only): alone where the blocks kernel
+serves every row (`dense_weights`), else beside a dense copy that serves long prompts (the default model's
+dense bfloat16 weights take 270 MB beside 98 MB of blocks).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 import gracelm.cpu_features as cpu_features
 from gracelm.config import QUANTIZATION_CHOICES, ModelConfig
 from gracelm.memory_budget import gib, require
+from gracelm.model.block_linear import BlockLinear
 from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import LlamaForCausalLM
 from gracelm.model.load_progress import load_progress
@@ -48,6 +50,7 @@ DTYPES: dict[str, torch.dtype] = {
 INDEX_FILE = "model.safetensors.index.json"
 # Beside the weights, what loading takes: torch's and the tokenizer's own allocations, the module's build.
 _LOAD_MARGIN = 256 << 20
+_EMBEDDING = "model.embed_tokens.weight"
 # Checkpoint tensors the module recomputes or shares instead of loading.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -63,24 +66,29 @@ class LoadedModel:
     device: torch.device
     # The 4-bit forms of some weights, by name, until `freeze` hands them to the model.
     int4: dict[str, LowBitForm] = field(default_factory=dict)
+    # False where the matrices of low-bit forms have no dense copy (`_dense_copy`): every row takes the forms.
+    dense_copy: bool = True
 
     def freeze(self, int4_max_rows: int | None = None) -> None:
         """Readies the model for inference (`LlamaForCausalLM.freeze`), its linears of 4-bit forms using them
         for steps of at most `int4_max_rows` rows (0: never; `sys.maxsize`: always; None: the crossover of
-        its dtype, `quantized_linear.int4_rows_for`)."""
+        its dtype, `quantized_linear.int4_rows_for`); without a dense copy, the other rows take the forms
+        too, in calls of their own (`FrozenLinear`)."""
         self.model.freeze(self.int4, int4_max_rows)
         self.int4 = {}
 
 
 def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
-               quantization: str = "auto", device: torch.device | str = "cpu") -> LoadedModel:
+               quantization: str = "auto", device: torch.device | str = "cpu",
+               dense_weights: str = "on") -> LoadedModel:
     """Loads weights, config and tokenizer onto `device`; `path=None` is the default model
     (SmolLM2-135M-Instruct GGUF).
 
     `quantization` (`config.QUANTIZATION_CHOICES`): "auto", "blocks" and "int4" also load a GGUF file's 4-
     and 8-bit blocks in a low-bit kernel's form (`quantized_linear.form_for`) where the model runs on the
     CPU in bfloat16, or in float32 chosen by "auto" (`quantized_linear.int4_serves`); "none" loads dense
-    weights only."""
+    weights only. `dense_weights` (`config.DENSE_WEIGHTS_CHOICES`; the engine's option, whose default is
+    "auto"): whether the matrices of those forms also have a dense copy (`_dense_copy`)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATION_CHOICES:
@@ -91,7 +99,7 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
     if path.is_dir():
         loaded = _load_hf_directory(path, dtype, device)
     else:
-        loaded = _load_gguf_file(path, dtype, quantization, device)
+        loaded = _load_gguf_file(path, dtype, quantization, device, dense_weights)
     if device.type != "cpu":
         loaded.model.to(device)
     return loaded
@@ -113,23 +121,47 @@ def _load_hf_directory(path: Path, dtype: str, device: torch.device) -> LoadedMo
     return LoadedModel(config, model, tokenizer, path, target, path.name, device)
 
 
-def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.device) -> LoadedModel:
+def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.device,
+                    dense_weights: str) -> LoadedModel:
     from gracelm.model.gguf_loader import open_gguf
 
     model_file = open_gguf(path)
     target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_gguf(model_file.gguf, device)
     low_bit = _low_bit_form(model_file, target, dtype, quantization, device)
+    blocks = model_file.int4_matrices() if low_bit is not None else {}
+    dense_copy = _dense_copy(dense_weights, low_bit, model_file)
+    without = frozenset() if dense_copy else frozenset(blocks.values())
     tensors = model_file.gguf.tensors
-    low_bit_bytes = sum(tensors[name].nbytes for name in model_file.int4_matrices()) if low_bit else 0
-    _check_weights_fit([info.shape for info in tensors.values()], low_bit_bytes, target, device)
+    dense = [info.shape for name, info in tensors.items() if model_file.names.get(name) not in without]
+    _check_weights_fit(dense, sum(tensors[name].nbytes for name in blocks), target, device)
     tokenizer = model_file.tokenizer()
     mark("tokenizer")
-    state = model_file.weights(target)
+    state = model_file.weights(target, without)
+    state.update({name: torch.empty(tensors[gguf_name].shape, dtype=target, device="meta")
+                  for gguf_name, name in blocks.items() if name in without})
     int4 = model_file.low_bit_weights(low_bit) if low_bit is not None else {}
     mark("weights")
     model = build_model(model_file.config, state, target, source=path)
+    if _EMBEDDING in without:
+        model.model.embed_tokens = model_file.embedding(target)
     mark("model")
-    return LoadedModel(model_file.config, model, tokenizer, path, target, path.stem, device, int4)
+    return LoadedModel(model_file.config, model, tokenizer, path, target, path.stem, device, int4, dense_copy)
+
+
+def _dense_copy(dense_weights: str, form: type[LowBitForm] | None, model_file: GGUFModel) -> bool:
+    """Whether the matrices of low-bit forms also get a dense copy: "on"; "off" (refused, naming why, where
+    the blocks kernel would not serve them all); "auto": off where the blocks kernel serves every such
+    matrix (torch's int4 kernel is slow at many rows, so its forms keep the copy for prompts)."""
+    if dense_weights == "on" or form is None and dense_weights == "auto":
+        return True
+    problem = ("the low-bit kernel is torch's int4 one (the blocks kernel needs AVX-512 VNNI)"
+               if form is not BlockLinear else model_file.unstackable_blocks())
+    if problem is None:
+        return False
+    if dense_weights == "off":
+        raise ModelLoadError(f"--dense-weights off cannot serve {model_file.gguf.path}: {problem}")
+    logger.info("%s: dense weights beside the blocks: %s", model_file.gguf.path, problem)
+    return True
 
 
 def _low_bit_form(model_file: GGUFModel, dtype: torch.dtype, dtype_asked: str, quantization: str,

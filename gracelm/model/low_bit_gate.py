@@ -1,5 +1,6 @@
 """Which rows of a step's matmuls take a model's low-bit forms (`quantized_linear.py`) and which its dense
-weights: `Int4Gate`, shared by the model's `FrozenLinear`s and told the rows per forward pass.
+weights, where it holds both (`--dense-weights on`, or torch's int4 forms; without a dense copy every row
+takes the forms): `Int4Gate`, shared by the model's `FrozenLinear`s and told the rows per forward pass.
 
 The rule is each sequence's own, never its neighbours' in the step, so that a request's logits do not
 depend on which others share its step (the forms' kernels compute each row alike however many there are):

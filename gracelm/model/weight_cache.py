@@ -5,7 +5,8 @@ those the model touches are read). A file's 4-bit blocks in the int4 kernel's fo
 kept the same way, in an entry of their own.
 
 An entry is `cache_dir("weights")/<content hash>-<kind>-v<FORMAT_VERSION>.safetensors`, the kind being the
-dtype of dense weights (`bfloat16`) or `int4-<layout>` (`quantized_linear.layout_id`: the packed layout
+dtype of dense weights (`bfloat16`; `bfloat16-beside-blocks` where the matrices of low-bit forms have no
+dense copy: the other tensors only) or the low-bit form's layout (`blocks-1`, `int4-<layout>`: the latter
 differs by CPU kind). A file safetensors refuses (truncated, a torn header) or whose tensors are not those
 expected (names, shapes, dtypes) is logged, deleted and converted again; a start never fails on the cache.
 safetensors holds no checksum of the data, and reading the whole file to check one would cost what the cache
@@ -43,17 +44,8 @@ _SUFFIX = ".safetensors"
 # A writer's temporary file (`write_atomic`) older than this was left by a killed writer.
 _ABANDONED_AFTER_S = 3600.0
 
-Shapes = dict[str, tuple[int, ...]]
 # Each tensor's shape and dtype.
 Expected = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-def cached_weights(model_hash: str, dtype: torch.dtype, shapes: Shapes,
-                   convert: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The converted weights of the model whose content hash is `model_hash`, in `dtype`, named and shaped
-    as `shapes` says: mapped from the cache, else `convert()`ed (then stored)."""
-    expected = {name: (shape, dtype) for name, shape in shapes.items()}
-    return cached_tensors(model_hash, dtype, expected, convert)
 
 
 def cached_tensors(model_hash: str, kind: torch.dtype | str, expected: Expected,

@@ -45,6 +45,7 @@ from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import low_bit_layout
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.memory_use import tensor_bytes
+from gracelm.parallel.worker import dense_weights_for
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,8 @@ def compile_in_child(config: EngineConfig) -> None:
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
     cpu_features.mask(config.mask_cpu_features)
-    loaded = load_model(config.model, config.dtype, config.quantization)
+    loaded = load_model(config.model, config.dtype, config.quantization,
+                        dense_weights=dense_weights_for(config))
     loaded.freeze()
     loaded.model.model.decode_attention = config.decode_attention
     for rows, path in graph_files(config, loaded).items():

@@ -65,6 +65,12 @@ _DEFAULT_KV_CAP = 2**30
 _DEFAULT_GPU_KV_SHARE = 0.8
 
 
+def dense_weights_for(config: EngineConfig) -> str:
+    """`dense_weights` as the loader takes it: "auto" keeps the dense copy where what runs needs it (the
+    ranks of tensor parallelism split dense weights; deterministic mode computes with them)."""
+    return "on" if config.tensor_parallel_size > 1 or config.deterministic else config.dense_weights
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
         self.config = config
@@ -94,7 +100,8 @@ class Worker:
         share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
         torch.set_num_threads(self.config.num_threads or share)
         keep_freed_memory()
-        self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization, self.device)
+        self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization, self.device,
+                                 dense_weights_for(self.config))
         # Freezing fuses and repacks the HF-named linears, so it comes last: after sharding, which splits them
         # (the tensor-parallel shard freezes itself once split).
         if self.world_size > 1:
