@@ -154,10 +154,10 @@ class EngineConfig:
                                        "VNNI, else int4), none (dense weights only)",
                                choices=QUANTIZATION_CHOICES)
     dense_weights: str = option("auto", "a dense bfloat16 copy of the 4/8-bit matrices, for prompts of 16 "
-                                        "tokens or more: on (memory: about 4x a 4-bit file's matrices "
-                                        "beside them), off (every row through the file's blocks), auto "
-                                        "(off where the blocks kernel serves, one CPU rank, not "
-                                        "deterministic; else on)", choices=DENSE_WEIGHTS_CHOICES)
+                                        "tokens or more: on (memory: about 3.2x a 4-bit file's matrices "
+                                        "beside them), off (every row through the file's blocks), auto (off "
+                                        "where the blocks kernel serves, one CPU rank, not deterministic; "
+                                        "else on)", choices=DENSE_WEIGHTS_CHOICES)
     device: str = option("auto", "where the model, KV cache and sampler run (auto: cuda when torch sees a "
                                  "GPU and tensor_parallel_size is 1, else cpu)", choices=DEVICE_CHOICES)
     tensor_parallel_size: int = option(1, "ranks the model is split over (heads and MLP width must divide "

@@ -66,8 +66,6 @@ class LoadedModel:
     device: torch.device
     # The 4-bit forms of some weights, by name, until `freeze` hands them to the model.
     int4: dict[str, LowBitForm] = field(default_factory=dict)
-    # False where the matrices of low-bit forms have no dense copy (`_dense_copy`): every row takes the forms.
-    dense_copy: bool = True
 
     def freeze(self, int4_max_rows: int | None = None) -> None:
         """Readies the model for inference (`LlamaForCausalLM.freeze`), its linears of 4-bit forms using them
@@ -145,7 +143,7 @@ def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.dev
     if _EMBEDDING in without:
         model.model.embed_tokens = model_file.embedding(target)
     mark("model")
-    return LoadedModel(model_file.config, model, tokenizer, path, target, path.stem, device, int4, dense_copy)
+    return LoadedModel(model_file.config, model, tokenizer, path, target, path.stem, device, int4)
 
 
 def _dense_copy(dense_weights: str, form: type[LowBitForm] | None, model_file: GGUFModel) -> bool:
