@@ -29,7 +29,9 @@ serve` and `llama-server -t T -np 32 -c 32768` (continuous batching, 32 slots) o
 at a time on free ports, and loads each the same way: streaming `/v1/completions` of exactly
 `--max-tokens` tokens (`ignore_eos`; a request whose `usage` counts other than that fails). `--repeats R`
 runs the servers R times, the order swapped each repeat, and reports gracelm / llama-server ratios per
-repeat and their median. `--llama-cpp-python` adds the Python wrapper's server as a further peer
+repeat and their median, and says for each start how long it took from launch to ready and the resident
+memory of the server's processes at ready (gracelm's first start on a file converts it and compiles its
+decode graphs in a child: a cold start) and after the load. `--llama-cpp-python` adds the Python wrapper's server as a further peer
 (`--interrupt_requests False`, else a new request cuts a running stream). `--gracelm-args` passes more
 options to `gracelm serve` (a masked CPU feature runs another CPU's kernel paths: docs/kernel_paths.md).
 
@@ -43,7 +45,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -62,6 +66,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import psutil
 import uvloop
 
 BENCH_CACHE = Path.home() / ".cache/gracelm-bench"
@@ -309,7 +314,18 @@ class Server:
         self.label, self.port, self.ready_path = label, port, ready_path
         self.base_url = f"http://127.0.0.1:{port}"
         self._log = log.open("w")
+        self._launched = time.monotonic()
+        self.start_s = math.nan  # launch to ready, once ready
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def resident_mib(self) -> float:
+        """The resident memory of the server's processes (itself and every descendant), summed."""
+        root = psutil.Process(self.process.pid)
+        total = 0
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += proc.memory_info().rss
+        return total / 2**20
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -318,6 +334,7 @@ class Server:
                 raise RuntimeError(f"{self.label} exited ({self.process.returncode}); see {self._log.name}")
             try:
                 if httpx.get(f"{self.base_url}{self.ready_path}", timeout=2).status_code == 200:
+                    self.start_s = time.monotonic() - self._launched
                     return
             except httpx.TransportError:
                 pass
@@ -468,13 +485,18 @@ def compare(args: argparse.Namespace) -> dict:
             server = starters[label](log_dir / f"{label}-{repeat}.log")
             try:
                 server.wait_ready()
+                footprint = {"start_s": server.start_s, "ready_mib": server.resident_mib()}
                 if label == "gracelm":
                     server.wait_compiled()
                 rows = uvloop.run(bench(server.base_url, None, Load.from_args(args)))
+                footprint["served_mib"] = server.resident_mib()
             finally:
                 server.stop()
-            results[label] += [{**row, "repeat": repeat} for row in rows]
+            results[label] += [{**row, **footprint, "repeat": repeat} for row in rows]
             print_table(f"{label} on {gguf.name}, repeat {repeat + 1} of {args.repeats}", rows)
+            print(f"{label}: ready {footprint['start_s']:.1f} s after launch; resident (every process of "
+                  f"the server) {footprint['ready_mib']:.0f} MiB at ready, {footprint['served_mib']:.0f} MiB "
+                  "after the load")
     ratios = {peer: compare_ratios(results["gracelm"], results[peer]) for peer in starters
               if peer != "gracelm"}
     for peer, rows in ratios.items():

@@ -101,7 +101,7 @@ def _llama3_scaling(gguf: GGUFFile, gguf_arch: str, rotary_dim: int) -> dict[str
         "original_max_position_embeddings": md.get(f"{gguf_arch}.rope.scaling.original_context_length", 8192),
     }
     theta = md.get(f"{gguf_arch}.rope.freq_base", 10000.0)
-    expected = _llama3_slowdowns(theta, rotary_dim, scaling)
+    expected = llama3_slowdowns(theta, rotary_dim, scaling)
     if expected.shape != table.shape or not np.allclose(expected, table, rtol=1e-4):
         raise UnsupportedModelError(
             f"{gguf.path}: its rope_freqs table matches no Llama 3 rope scaling; unsupported rope scaling"
@@ -109,7 +109,7 @@ def _llama3_scaling(gguf: GGUFFile, gguf_arch: str, rotary_dim: int) -> dict[str
     return scaling
 
 
-def _llama3_slowdowns(theta: float, rotary_dim: int, scaling: dict[str, Any]) -> np.ndarray:
+def llama3_slowdowns(theta: float, rotary_dim: int, scaling: dict[str, Any]) -> np.ndarray:
     """Per-frequency slowdown of Llama 3 scaling, as llama.cpp's converter tabulates it."""
     inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
