@@ -30,6 +30,7 @@ from gracelm.model.decode_graph_check import check, close
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.loader import load_model
 from gracelm.parallel.decode_graph_build import graph_files
+from gracelm.parallel.worker import dense_weights_for
 from tests.faults.helpers import small_filesystem
 from tests.kernel_paths import BY_NAME, matrix_gguf
 from tests.server_process import ServerProcess
@@ -57,7 +58,7 @@ def compiled(gguf: Path, graph_cache: Path, request: pytest.FixtureRequest) -> I
     path = request.param
     with cpu_features.masking(path.mask):
         config = EngineConfig(model=str(gguf), **path.engine_options())
-        loaded = load_model(gguf)
+        loaded = load_model(gguf, dense_weights=dense_weights_for(config))  # the model a server's core has
         loaded.freeze()
         files = graph_files(config, loaded)
         graphs = [DecodeGraph.load(file, rows, BLOCK, loaded.model.model) for rows, file in files.items()]

@@ -72,7 +72,7 @@ class FrozenLinear(nn.Module):
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
                  int4: LowBitForm | None = None, int4_max_rows: int = INT4_MAX_ROWS) -> None:
         super().__init__()
-        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        weight = _stacked(weights)
         self.output_sizes = tuple(w.shape[0] for w in weights)
         self.bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
         self.packed = _onednn_packed(weight)
@@ -205,6 +205,17 @@ def describe_linear_kernels(module: nn.Module) -> str:
     halves_rows = f" (8-bit matrices as 4-bit halves: <= {rows(True)})" if halves else ""
     return (f"{with_int4[0].int4.describe()} for decode tokens and prompts of < {SHORT_PROMPT} tokens, "
             f"<= {rows(False)} rows a step{halves_rows}, {dense} above and for longer prompts, {counts}")
+
+
+def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The weights stacked by rows. Meta ones (no dense copy: `loader._dense_copy`) are stacked as a new
+    meta tensor: `torch.cat` of meta tensors imports torch's reference ops, seconds of a start."""
+    if len(weights) == 1:
+        return weights[0]
+    if weights[0].is_meta:
+        rows = sum(weight.shape[0] for weight in weights)
+        return torch.empty((rows, *weights[0].shape[1:]), dtype=weights[0].dtype, device="meta")
+    return torch.cat(weights)
 
 
 def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
