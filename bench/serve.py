@@ -31,8 +31,9 @@ at a time on free ports, and loads each the same way: streaming `/v1/completions
 runs the servers R times, the order swapped each repeat, and reports gracelm / llama-server ratios per
 repeat and their median, and says for each start how long it took from launch to ready and the resident
 memory of the server's processes at ready (gracelm's first start on a file converts it and compiles its
-decode graphs in a child: a cold start) and after the load. `--llama-cpp-python` adds the Python wrapper's server as a further peer
-(`--interrupt_requests False`, else a new request cuts a running stream). `--gracelm-args` passes more
+decode graphs in a child: a cold start) and after the load. `--llama-cpp-python` adds the Python
+wrapper's server as a further peer (`--interrupt_requests False`, else a new request cuts a running
+stream). `--gracelm-args` passes more
 options to `gracelm serve` (a masked CPU feature runs another CPU's kernel paths: docs/kernel_paths.md).
 
 `compile-cost` measures what a first start's background compile of the decode graphs costs the requests
