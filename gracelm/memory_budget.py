@@ -39,9 +39,10 @@ def available_memory() -> Available:
     return cgroup if cgroup is not None and cgroup.bytes < host.bytes else host
 
 
-def require(need: int, what: str, advice: str) -> None:
-    """Raises `MemoryBudgetError` when `need` bytes (for `what`) exceed the memory available now."""
-    available = available_memory()
+def require(need: int, what: str, advice: str, available: Available | None = None) -> None:
+    """Raises `MemoryBudgetError` when `need` bytes (for `what`) exceed `available` (by default the memory
+    available now)."""
+    available = available or available_memory()
     if need > available.bytes:
         raise MemoryBudgetError(f"{what} need {gib(need)}, and {gib(available.bytes)} is available "
                                 f"({available.source}): {advice}")

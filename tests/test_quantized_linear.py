@@ -389,6 +389,12 @@ def test_float32_asked_and_none_keep_dense_weights(tmp_path: Path) -> None:
         load_model(path, quantization="awq")
 
 
+def test_dense_weights_off_where_no_low_bit_form_serves_is_refused_saying_why(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1)
+    with pytest.raises(ModelLoadError, match="--dense-weights off cannot serve .*no low-bit form serves it"):
+        load_model(path, dtype="float32", dense_weights="off")
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_the_low_bit_form_is_cached_and_a_damaged_entry_rebuilt(tmp_path: Path, form: str,
                                                                caplog: pytest.LogCaptureFixture) -> None:

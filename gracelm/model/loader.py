@@ -152,8 +152,13 @@ def _dense_copy(dense_weights: str, form: type[LowBitForm] | None, model_file: G
     matrix (torch's int4 kernel is slow at many rows, so its forms keep the copy for prompts)."""
     if dense_weights == "on" or form is None and dense_weights == "auto":
         return True
-    problem = ("the low-bit kernel is torch's int4 one (the blocks kernel needs AVX-512 VNNI)"
-               if form is not BlockLinear else model_file.unstackable_blocks())
+    if form is None:
+        problem: str | None = ("no low-bit form serves it here (--quantization none, a --dtype the low-bit "
+                               "kernels do not take, or not a CPU)")
+    elif form is not BlockLinear:
+        problem = "the low-bit kernel is torch's int4 one (the blocks kernel needs AVX-512 VNNI)"
+    else:
+        problem = model_file.unstackable_blocks()
     if problem is None:
         return False
     if dense_weights == "off":

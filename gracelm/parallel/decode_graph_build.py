@@ -44,7 +44,6 @@ from gracelm.model.decode_graph_check import check
 from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import low_bit_layout
 from gracelm.model.loader import LoadedModel, load_model
-from gracelm.model.memory_use import tensor_bytes
 from gracelm.parallel.worker import dense_weights_for
 
 logger = logging.getLogger(__name__)
@@ -68,8 +67,11 @@ class DecodeGraphBuild:
     """The compiled decode steps of the driver's model, one per `graph_batches` entry: those still to load are
     pending until the child has written them, or until it has ended without."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, ledger: Ledger) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, weight_bytes: int, ledger: Ledger) -> None:
+        """`weight_bytes`: what the loaded model's tensors hold, as the compiler's copy will
+        (`Worker.weight_bytes`)."""
         self.loaded = loaded
+        self.weight_bytes = weight_bytes
         self.block_size = config.block_size
         self._pending = graph_files(config, loaded)
         self.failures: list[str] = []  # why a graph does not serve
@@ -87,7 +89,7 @@ class DecodeGraphBuild:
         """Whether the compiler, which loads a model of its own, fits in the memory left now; where it
         does not, the graphs are given up (`eager-fallback`): they cost speed, the child could cost the
         server (an OOM kill picks the largest process, the engine core)."""
-        need = tensor_bytes(self.loaded.model) + _COMPILER_WORK
+        need = self.weight_bytes + _COMPILER_WORK
         available = available_memory()
         if need <= available.bytes:
             return True

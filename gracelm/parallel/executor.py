@@ -107,7 +107,8 @@ class Executor:
         if self._group is not None:
             self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
         elif graph_applies(self.config, self._driver.loaded, self.layout.world_size):
-            self.graph_build = DecodeGraphBuild(self.config, self._driver.loaded, self.ledger)
+            self.graph_build = DecodeGraphBuild(self.config, self._driver.loaded, self._driver.weight_bytes,
+                                               self.ledger)
         self._driver.commit_kv_cache()
 
     def execute(self, step: ModelStep) -> StepResult:

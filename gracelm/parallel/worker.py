@@ -83,6 +83,7 @@ class Worker:
         self.kv_caches: list[torch.Tensor] = []
         self._kv_commit: KVCacheCommit | None = None
         self.num_kv_blocks = 0
+        self.weight_bytes = 0  # what the loaded model's tensors hold (`tensor_bytes`)
         self._generators: dict[str, torch.Generator] = {}
         self._constraints: ConstraintStates | None = None  # made at the first constrained request
         self._default_generator = make_generator(config.seed)
@@ -120,6 +121,8 @@ class Worker:
         elif self.config.deterministic:
             make_batch_invariant(self.loaded.model)
         model = self.shard if self.shard is not None else self.loaded.model
+        # Counted once: the weights do not change while serving, and counting walks every module (ms).
+        self.weight_bytes = tensor_bytes(model)
         self.loaded.model.model.decode_attention = self.config.decode_attention
         if self.rank == 0:
             logger.info("CPU features: %s", cpu_features.describe())
@@ -144,7 +147,7 @@ class Worker:
         torch's and Python's own); none once the model is freed."""
         if self.loaded is None:
             return {}
-        weights = tensor_bytes(self.shard if self.shard is not None else self.loaded.model)
+        weights = self.weight_bytes
         kv_cache = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
         resident = psutil.Process().memory_info().rss
         return {"weights": weights, "kv_cache": kv_cache, "workspace": max(0, resident - weights - kv_cache)}
@@ -189,11 +192,12 @@ class Worker:
         local_ranks = self.world_size // self.config.nnodes
         block = self.kv_block_bytes() * local_ranks
         workspace = self.workspace_bytes() * local_ranks
-        fits = max(0, available_memory().bytes - workspace) // block * block
+        available = available_memory()  # one reading: the figure refused and the one advised agree
+        fits = max(0, available.bytes - workspace) // block * block
         require(num_blocks * block + workspace,
                 f"the KV cache ({gib(num_blocks * block)}) and a step's workspace ({gib(workspace)})",
                 f"a --kv-cache-memory of at most {gib(fits)} fits, or a smaller --max-model-len or "
-                f"--max-num-seqs (which cap the blocks it is given)")
+                f"--max-num-seqs (which cap the blocks it is given)", available)
 
     def workspace_bytes(self) -> int:
         """What a step may hold beside the weights and the KV cache, at most: the activations of its
