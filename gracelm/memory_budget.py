@@ -65,7 +65,7 @@ def cgroup_available() -> Available | None:
     return None
 
 
-def _own_cgroup(controller: str) -> str | None:
+def own_cgroup(controller: str) -> str | None:
     """This process's cgroup path in the hierarchy of `controller` ("" for cgroup v2's unified one)."""
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
@@ -75,7 +75,7 @@ def _own_cgroup(controller: str) -> str | None:
 
 
 def _cgroup_v2() -> Available | None:
-    path = _own_cgroup("")
+    path = own_cgroup("")
     if path is None:
         return None
     folder = CGROUP_ROOT / path.lstrip("/")
@@ -92,7 +92,7 @@ def _cgroup_v2() -> Available | None:
 
 
 def _cgroup_v1() -> Available | None:
-    path = _own_cgroup("memory")
+    path = own_cgroup("memory")
     if path is None:
         return None
     folder = CGROUP_ROOT / "memory" / path.lstrip("/")

@@ -228,15 +228,20 @@ def test_a_path_serves_concurrent_mixed_work_as_the_dense_path_does(path: Kernel
     RAN.append(f"{path.name} ({', '.join(f'{part} {name}' for part, name in sorted(paths.items()))})")
 
 
+def compiled_path_args() -> list[str]:
+    """A server's options for the first compiled path this machine runs (the test is skipped where none)."""
+    path = next((path for path in PATHS if path.compiled and path.why_not_here() is None), None)
+    if path is None:
+        pytest.skip("no compiled path runs here")
+    return [*path.server_args(), "--served-model-name", "tiny", "--num-threads", "1",
+            "--max-model-len", "256"]
+
+
 def test_a_runtime_directory_too_small_for_the_graphs_costs_them_never_the_start(graph_cache: Path,
                                                                                  tmp_path: Path) -> None:
     """The core unpacks its graphs into its runtime directory (its TMPDIR): where that filesystem cannot
     hold one, the graphs do not serve, /metrics says so, and the server serves eagerly and stops clean."""
-    path = next((path for path in PATHS if path.compiled and path.why_not_here() is None), None)
-    if path is None:
-        pytest.skip("no compiled path runs here")
-    args = [*path.server_args(), "--served-model-name", "tiny", "--num-threads", "1",
-            "--max-model-len", "256"]
+    args = compiled_path_args()
     with small_filesystem(tmp_path, "1m") as small:
         env = {ENV: str(graph_cache), "XDG_RUNTIME_DIR": str(small)}
         with ServerProcess(matrix_gguf(), *args, env=env) as server:
@@ -251,11 +256,7 @@ def test_a_compiler_that_would_not_fit_in_memory_costs_the_graphs_never_the_star
     """The compiler loads a model of its own: inside a memory limit that holds the server but not it, the
     graphs are given up before it starts (with an empty graph cache, a start would compile), /metrics says
     so, and the server serves eagerly."""
-    path = next((path for path in PATHS if path.compiled and path.why_not_here() is None), None)
-    if path is None:
-        pytest.skip("no compiled path runs here")
-    args = [*path.server_args(), "--served-model-name", "tiny", "--num-threads", "1",
-            "--max-model-len", "256"]
+    args = compiled_path_args()
     with memory_cgroup(1200 << 20) as (_, prefix), \
             ServerProcess(matrix_gguf(), *args, env={ENV: str(tmp_path / "cache")}, prefix=prefix) as server:
         assert kernel_paths(server)["decode_graph"] == "eager-fallback"

@@ -10,13 +10,12 @@ import re
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from gracelm.memory_budget import CGROUP_ROOT
+from gracelm.memory_budget import CGROUP_ROOT, own_cgroup
 from tests.server_process import ServerProcess
 
 
@@ -97,13 +96,10 @@ def memory_cgroup(limit: int):
     """A memory cgroup (v1 or v2) under this process's own, limited to `limit` bytes, and the prefix of a
     command that runs in it; removed at the end. Skips where the test may not make one (no write access
     to the cgroup tree, or v2 without the memory controller delegated)."""
-    own = {controllers: path for _, controllers, path in
-           (line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines())}
-    for parent, limit_file in ((CGROUP_ROOT / "memory" / own.get("memory", "").lstrip("/"),
-                                "memory.limit_in_bytes"),
-                               (CGROUP_ROOT / own.get("", "").lstrip("/"), "memory.max")):
-        if "memory" not in own and limit_file == "memory.limit_in_bytes":
-            continue
+    v1, v2 = own_cgroup("memory"), own_cgroup("")
+    candidates = [] if v1 is None else [(CGROUP_ROOT / "memory" / v1.lstrip("/"), "memory.limit_in_bytes")]
+    candidates += [] if v2 is None else [(CGROUP_ROOT / v2.lstrip("/"), "memory.max")]
+    for parent, limit_file in candidates:
         folder = parent / f"gracelm-test-{os.getpid()}"
         try:
             folder.mkdir()
