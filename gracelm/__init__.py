@@ -17,7 +17,7 @@ def __getattr__(name: str):
 
         return AsyncEngine
     if name in ("RequestOutput", "CompletionOutput"):
-        from gracelm.engine import outputs
+        from gracelm.engine import output_processor
 
-        return getattr(outputs, name)
+        return getattr(output_processor, name)
     raise AttributeError(f"module 'gracelm' has no attribute {name!r}")

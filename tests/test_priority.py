@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from gracelm.engine.request import MAX_PRIORITY, MIN_PRIORITY
+from gracelm.engine.frontend import MAX_PRIORITY, MIN_PRIORITY
 from tests.server_process import ServerProcess, metric_value
 from tests.tiny_models import tiny_model
 

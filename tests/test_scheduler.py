@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from gracelm.engine.request import Request, RequestStatus, check_prompt
+from gracelm.engine.frontend import check_prompt
+from gracelm.engine.request import Request, RequestStatus
 from gracelm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gracelm.model_step import SampledToken
 from gracelm.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from gracelm.lifecycle.last_shutdown import FILE_NAME, load_last_shutdown, writable_dir_problem
-from gracelm.observability.throughput_history import ThroughputHistory
+from gracelm.observability.metrics import ThroughputHistory
 from tests.server_process import GRACELM, ServerProcess, start_streams
 from tests.tiny_models import tiny_model
 

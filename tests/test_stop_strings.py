@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gracelm.engine.stop_strings import ROOT, StopStrings
+from gracelm.engine.detokenizer import ROOT, StopStrings
 
 
 def _first_match(text: str, stops: list[str]) -> tuple[int, str] | None:

@@ -17,7 +17,7 @@ from typing import Any
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
 from gracelm.engine.frontend import EngineFrontend, FatalHandler, Prompt
-from gracelm.engine.outputs import RequestOutput
+from gracelm.engine.output_processor import RequestOutput
 from gracelm.lifecycle.ledger import Ledger
 from gracelm.lifecycle.process_end import ProcessEnd
 from gracelm.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
 from gracelm.engine.frontend import EngineFrontend, FatalHandler, Messages, Prompt
-from gracelm.engine.outputs import RequestOutput
+from gracelm.engine.output_processor import RequestOutput
 from gracelm.lifecycle.process_end import ProcessEnd
 from gracelm.sampling_params import SamplingParams
 

@@ -25,7 +25,6 @@ from gracelm.config import EngineConfig, ModelConfig
 from gracelm.engine.core_client import EngineCoreClient
 from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.output_processor import OpenRequest, OutputProcessor
-from gracelm.engine.request import check_priority, check_prompt
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.process_end import ProcessEnd
 from gracelm.model.tokenizer import Tokenizer
@@ -37,6 +36,48 @@ logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
 FatalHandler = Callable[[ProcessEnd], None]
+
+
+# The priorities a request may have: a signed 32-bit integer, wide enough for a deadline in epoch seconds.
+MIN_PRIORITY, MAX_PRIORITY = -2**31, 2**31 - 1
+
+
+def check_priority(priority: int) -> None:
+    """Raises `ValueError` for a priority outside [MIN_PRIORITY, MAX_PRIORITY] or not an integer."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not (
+            MIN_PRIORITY <= priority <= MAX_PRIORITY):
+        raise ValueError(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot run; `too_long` tells a context overflow from other faults."""
+
+    def __init__(self, message: str, too_long: bool = False) -> None:
+        super().__init__(message)
+        self.too_long = too_long
+
+
+def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int,
+                 max_tokens: int | None = None) -> None:
+    """The one check of a prompt, before anything is queued: non-empty, known token ids, and shorter than
+    `max_model_len`, so that at least one token can be generated within the context. Raises `PromptError`
+    (an overflow in OpenAI's words, counting `max_tokens`, or the one token, as the completion)."""
+    if not prompt_token_ids:
+        raise PromptError("the prompt is empty")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
+        raise PromptError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        completion = max_tokens if max_tokens is not None else 1
+        raise PromptError(context_overflow_message(max_model_len, len(prompt_token_ids), completion),
+                          too_long=True)
+
+
+def context_overflow_message(max_model_len: int, num_prompt_tokens: int, num_completion_tokens: int) -> str:
+    """OpenAI's words for a request over the context, which clients match ("maximum context length")."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + num_completion_tokens} tokens ({num_prompt_tokens} in the messages, "
+            f"{num_completion_tokens} in the completion). Please reduce the length of the messages or "
+            f"completion.")
 
 
 class EngineFrontend:

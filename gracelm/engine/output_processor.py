@@ -2,18 +2,23 @@
 
 A request with `n` completions is n core requests (ids `<request_id>/<i>`; seeds `seed + i`), gathered
 back here into one `RequestOutput`. Each call of `process` gives, for every request that moved, one delta:
-the new tokens, text and logprobs of the completions that moved (see `outputs.py`). Stop strings are found
-here, not in the core: a completion that hits one is finished at once and its core request must be aborted
+the new tokens, text and logprobs of the completions that moved. Stop strings are found here, not in the
+core: a completion that hits one is finished at once and its core request must be aborted
 (`ProcessedOutputs.core_ids_to_abort`).
 
 Containment: a fault of one request — reported by the core (its sampling or stop checks raised) or met here
 (its detokenization raised) — ends that request, every completion of it with `finish_reason="error"`, and
 nothing else; the faults are counted by stage (`faults`) and logged with the request id.
+
+The outputs have vLLM's shapes (`RequestOutput`, `CompletionOutput`). A consumer that wants the whole
+answer so far (the offline `Engine`, `AsyncEngine.generate` by default) adds the deltas up with
+`RequestOutput.add`.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,9 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gracelm.engine import messages as msg
-from gracelm.engine.detokenizer import IncrementalDetokenizer
-from gracelm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from gracelm.engine.stop_strings import StopStrings
+from gracelm.engine.detokenizer import IncrementalDetokenizer, StopStrings
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model_step import PromptLogprobs
 from gracelm.sampling_params import SamplingParams
@@ -31,6 +34,88 @@ from gracelm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 # The stage of a fault met here, beside those the core reports (`TokenOutput.fault`).
 DETOKENIZE_STAGE = "detokenize"
+
+
+@dataclass
+class Logprob:
+    """One candidate token at one generated position: its logprob, rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request, cumulative so far.
+
+    `finish_reason` is None while it runs, then "stop" (EOS, a stop token or a stop string), "length",
+    "abort" or "error" (a fault of this request in the engine: it ended, the engine serves on).
+    `stop_reason` is the stop string or stop token id that ended it, if any. `logprobs` has, for
+    each generated token, a dict from token id to `Logprob` holding the sampled token and the top-N ones.
+    `prompt_logprobs` (when asked for) has the same for each prompt token, None for the first (vLLM's
+    shape); the first delta of the completion carries it.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: CompletionOutput) -> None:
+        """Appends a later delta of the same completion."""
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.cumulative_logprob is not None:
+            self.cumulative_logprob = delta.cumulative_logprob  # a running total already
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+@dataclass
+class RequestOutput:
+    """A request's output: as a delta, `outputs` holds the completions that moved, each with what is new."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+
+    def add(self, delta: RequestOutput) -> None:
+        """Adds a later delta of the same request into this output (completions matched by index)."""
+        by_index = {o.index: o for o in self.outputs}
+        for part in delta.outputs:
+            if part.index in by_index:
+                by_index[part.index].add(part)
+            else:
+                self.outputs.append(copy.deepcopy(part))
+        self.outputs.sort(key=lambda o: o.index)
+        self.finished = delta.finished
+        self.metrics = delta.metrics
+
+    def copy(self) -> RequestOutput:
+        return copy.deepcopy(self)
 
 
 @dataclass

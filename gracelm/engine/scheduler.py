@@ -171,7 +171,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queues a request at its place: after every request of its priority or higher. Its prompt was
-        checked by the frontend (`request.check_prompt`); a request whose id is in use is refused, queueing
+        checked by the frontend (`frontend.check_prompt`); a request whose id is in use is refused, queueing
         nothing."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")

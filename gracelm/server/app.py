@@ -34,9 +34,9 @@ from gracelm.server.openai_routes import openai_router, tokens_router
 from gracelm.server.openapi_docs import install_openapi
 from gracelm.server.ops_routes import metrics_router, package_version, probe_router
 from gracelm.server.status_page import status_router
-from gracelm.serving import request_ids
 from gracelm.serving.api_errors import install_error_handlers
 from gracelm.serving.grammar_checker import GrammarChecker
+from gracelm.serving.request_client import ID_HEADER, RequestIdHeader
 from gracelm.serving.request_fields import RequestLimits
 from gracelm.serving.server_config import ServerConfig
 from gracelm.serving.serving_chat import ServingChat
@@ -112,8 +112,8 @@ def _install_guards(app: FastAPI, settings: ServerConfig) -> None:
     app.add_middleware(BrowserGuard, allowed_hosts=hosts, allowed_origins=settings.allowed_origins)
     if settings.allowed_origins:  # outside the guard: a preflight is answered before it
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=[request_ids.HEADER])
-    app.add_middleware(request_ids.RequestIdHeader)
+                           allow_headers=["*"], expose_headers=[ID_HEADER])
+    app.add_middleware(RequestIdHeader)
 
 
 def _report_startup(metrics: ServerMetrics) -> None:

@@ -14,8 +14,8 @@ from gracelm.batch.journal import Line
 from gracelm.batch.runner import LineAnswer
 from gracelm.serving.api_errors import APIError, unexpected_error
 from gracelm.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
-from gracelm.serving.request_body import parse_body
 from gracelm.serving.request_client import BatchLineClient
+from gracelm.serving.request_fields import parse_body
 from gracelm.serving.serving_chat import ServingChat
 from gracelm.serving.serving_completion import ServingCompletion
 

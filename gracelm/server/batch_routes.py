@@ -30,7 +30,7 @@ from gracelm.serving.openai_protocol import (
     FileList,
     FileObject,
 )
-from gracelm.serving.request_body import parse_request
+from gracelm.serving.request_fields import parse_request
 
 # OpenAI's bounds on a batch's metadata.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512

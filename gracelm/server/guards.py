@@ -11,7 +11,7 @@ which can reach a server on the visitor's machine or network although the page's
   which then also gets CORS answers, so that such a web application can read them. vLLM's
   `--allowed-origins` defaults to any; gracelm's to none. A client that is no browser sends neither header
   and is not concerned; the status page's own requests are same-origin.
-- **Content-Type**: a request body is read as JSON only when it says so (`serving/request_body.py`): a page
+- **Content-Type**: a request body is read as JSON only when it says so (`serving/request_fields.py`): a page
   can send `text/plain`, a form or a body without any type with no preflight, never `application/json`.
 """
 

@@ -26,8 +26,8 @@ from gracelm.serving.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from gracelm.serving.request_body import parse_request
 from gracelm.serving.request_client import HttpClient
+from gracelm.serving.request_fields import parse_request
 from gracelm.serving.serving_chat import ServingChat
 from gracelm.serving.serving_completion import ServingCompletion
 from gracelm.serving.serving_options import ServingOptions

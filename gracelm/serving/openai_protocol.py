@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from gracelm.engine.request import MAX_PRIORITY, MIN_PRIORITY
+from gracelm.engine.frontend import MAX_PRIORITY, MIN_PRIORITY
 
 
 class ErrorInfo(BaseModel):

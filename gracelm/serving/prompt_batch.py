@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator
 
-from gracelm.engine.outputs import RequestOutput
+from gracelm.engine.output_processor import RequestOutput
 
 _END = object()
 

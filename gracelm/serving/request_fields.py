@@ -1,5 +1,9 @@
 """What a request's fields may ask, checked before it runs; each refusal is a 400 naming the field.
 
+A body is read into its request model one way, by every route and every batch line (`parse_request`,
+`parse_body`): a 400 naming the offending field (`from_validation_error`), and a body not declared as JSON
+refused.
+
 Fields this server lacks: a field listed in `UNSUPPORTED` is refused unless its value asks for nothing (its
 default or a no-op value, such as `modalities: ["text"]` or `store: false`). Every field of the request
 models that is not listed is honoured (docs/api_fields.md gives the choice for each;
@@ -19,7 +23,7 @@ What one request may cost (`RequestLimits`), beyond what `SamplingParams` bounds
 `logprobs` ≤ 20) and the body size (`--max-request-body-bytes`): its stop strings, in number and in total
 length, each refusal naming the option that sets the limit. Stop strings are matched in the server's event
 loop for each of the `n` completions after each token. The matching reads each new character once whatever
-the stop strings are (`engine/stop_strings.py`), but building their automaton, and keeping it, grows with
+the stop strings are (`engine/detokenizer.py`), but building their automaton, and keeping it, grows with
 their total length.
 """
 
@@ -28,13 +32,45 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import pydantic
+from fastapi import Request
 from pydantic import BaseModel
 
-from gracelm.serving.api_errors import APIError
+from gracelm.serving.api_errors import APIError, from_validation_error
 from gracelm.serving.openai_protocol import SamplingFields
 from gracelm.structured_output import StructuredOutputs
+
+ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+
+
+def parse_body(body: bytes | str, model: type[ModelT]) -> ModelT:
+    """`model` read from a JSON body, or the 400 that names what is wrong with it."""
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def parse_request(raw_request: Request, model: type[ModelT]) -> ModelT:
+    """`model` read from the body of an HTTP request declared as JSON."""
+    _check_json_content_type(raw_request.headers.get("content-type"))
+    return parse_body(await raw_request.body(), model)
+
+
+def _check_json_content_type(content_type: str | None) -> None:
+    """A body is read as JSON only when it says it is JSON: a web page may send `text/plain`, a form, or a
+    body of no declared type (a `Blob`) to a localhost server without asking it first (no CORS preflight),
+    never `application/json`, so anything else is refused instead of obeyed (`guards.py`)."""
+    if content_type is None:
+        raise APIError(415, "the request body must be JSON (Content-Type: application/json); the request "
+                            "declares no Content-Type", param="Content-Type", code="unsupported_media_type")
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got "
+                            f"Content-Type: {content_type}", param="Content-Type",
+                       code="unsupported_media_type")
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from gracelm.engine.outputs import CompletionOutput, RequestOutput
+from gracelm.engine.output_processor import CompletionOutput, RequestOutput
 from gracelm.serving import chat_prompt, tool_calls, tool_parsers
 from gracelm.serving.api_errors import APIError
-from gracelm.serving.logprob_tokens import token_label, vllm_prompt_logprobs, with_prompt_logprobs
 from gracelm.serving.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -27,7 +26,13 @@ from gracelm.serving.openai_protocol import (
 )
 from gracelm.serving.request_client import RequestClient
 from gracelm.serving.request_fields import refuse_unsupported
-from gracelm.serving.serving_base import ServingBase, StreamTally, final_usage, sse_data
+from gracelm.serving.serving_base import (
+    ServingBase,
+    StreamTally,
+    final_usage,
+    sse_data,
+    token_label,
+)
 from gracelm.serving.tool_calls import StreamedChoice, ToolPlan, final_message
 
 logger = logging.getLogger(__name__)
@@ -46,7 +51,7 @@ class ServingChat(ServingBase):
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = await self.sampling_params(req, max_tokens=max_tokens, logprobs=top)
         self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
-        params = with_prompt_logprobs(params, req.stream, req.prompt_logprobs)
+        params = self.with_prompt_logprobs(params, req.stream, req.prompt_logprobs)
         tools = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._tool_parser)
         params = tool_calls.constrained(params, tools)
         if tools.schema is not None:
@@ -75,7 +80,7 @@ class ServingChat(ServingBase):
             choices.append(ChatChoice(index=o.index, message=message, logprobs=self._logprobs(o, top, req),
                                       finish_reason=finish_reason, stop_reason=o.stop_reason))
         usage = final_usage(len(prompt_ids), final)
-        scored = vllm_prompt_logprobs(prompt_ids, final.outputs[0].prompt_logprobs, req.prompt_logprobs)
+        scored = self.vllm_prompt_logprobs(prompt_ids, final.outputs[0].prompt_logprobs, req.prompt_logprobs)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
                                       service_tier=tier, prompt_logprobs=scored)
 

@@ -14,8 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 
 from fastapi.responses import StreamingResponse
 
-from gracelm.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from gracelm.serving.logprob_tokens import token_label, vllm_prompt_logprobs, with_prompt_logprobs
+from gracelm.engine.output_processor import CompletionOutput, Logprob, RequestOutput
 from gracelm.serving.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -25,7 +24,13 @@ from gracelm.serving.openai_protocol import (
 )
 from gracelm.serving.request_client import RequestClient
 from gracelm.serving.request_fields import refuse_unsupported, truncate_prompt
-from gracelm.serving.serving_base import ServingBase, StreamTally, final_usage, sse_data
+from gracelm.serving.serving_base import (
+    ServingBase,
+    StreamTally,
+    final_usage,
+    sse_data,
+    token_label,
+)
 
 
 class ServingCompletion(ServingBase):
@@ -39,7 +44,7 @@ class ServingCompletion(ServingBase):
         score_only = req.echo and req.max_tokens == 0
         params = await self.sampling_params(req, max_tokens=1 if score_only else req.max_tokens,
                                       logprobs=req.logprobs)
-        params = with_prompt_logprobs(params, req.stream, req.prompt_logprobs,
+        params = self.with_prompt_logprobs(params, req.stream, req.prompt_logprobs,
                                       req.logprobs if req.echo else None)
         prompts = self._prompts(req)
         for ids in prompts:
@@ -62,7 +67,7 @@ class ServingCompletion(ServingBase):
             choices.append(CompletionChoice(
                 index=o.index, text=echo + o.text, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                 logprobs=self._logprobs(o, len(echo), req, prompt if req.echo else None),
-                prompt_logprobs=vllm_prompt_logprobs(prompt, o.prompt_logprobs, req.prompt_logprobs)))
+                prompt_logprobs=self.vllm_prompt_logprobs(prompt, o.prompt_logprobs, req.prompt_logprobs)))
         usage = final_usage(num_prompt_tokens, final)
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
