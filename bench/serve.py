@@ -342,6 +342,11 @@ class Server:
             time.sleep(0.2)
         raise TimeoutError(f"{self.label} not ready after {timeout} s")
 
+    def load_split(self) -> str:
+        """gracelm's own account of its model's load (the core's "model load:" line), or ""."""
+        found = re.search(r"model load: (.*)", Path(self._log.name).read_text())
+        return found.group(1) if found else ""
+
     def wait_compiled(self, timeout: float = 900) -> None:
         """gracelm's first start on a model compiles its decode steps in the background: measured once each
         graph the core said it compiles is written (the first step after loads them)."""
@@ -498,6 +503,8 @@ def compare(args: argparse.Namespace) -> dict:
             print(f"{label}: ready {footprint['start_s']:.1f} s after launch; resident (every process of "
                   f"the server) {footprint['ready_mib']:.0f} MiB at ready, {footprint['served_mib']:.0f} MiB "
                   "after the load")
+            if server.load_split():
+                print(f"{label}: model load {server.load_split()}")
     ratios = {peer: compare_ratios(results["gracelm"], results[peer]) for peer in starters
               if peer != "gracelm"}
     for peer, rows in ratios.items():

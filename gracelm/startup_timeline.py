@@ -14,6 +14,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 Mark = tuple[str, float]
+# The phases of a model's load that are work on its files (the others are the process's own start): read
+# (headers, weights mapped or read), verify (content hash, compiled graphs checked), repack (weights converted
+# to the kernels' forms, fused) and compile (compiled graphs loaded; a compile runs beside the server).
+LOAD_WORK = ("read", "verify", "repack", "compile")
 
 
 class StartupTimeline:
@@ -40,6 +44,11 @@ class StartupTimeline:
 
     def total(self) -> float:
         return max((at for _, at in self.marks), default=self.origin) - self.origin
+
+    def load_split(self) -> str:
+        """How the model's load split (`LOAD_WORK`), as "read 0.4 s, verify 1.1 s, repack 8.2 s, ..."."""
+        phases = self.phases()
+        return ", ".join(f"{work} {phases.get(work, 0.0):.1f} s" for work in LOAD_WORK)
 
     def summary(self) -> str:
         """One line: each phase in ms, then the total (e.g. "boot 640, bind 0, ..., total 5120")."""

@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+import gracelm.startup_timeline as startup_timeline
 from gracelm.config import ModelConfig
 from gracelm.model import weight_cache
 from gracelm.model.attention import allocate_kv_cache
@@ -61,6 +62,22 @@ def test_a_cache_hit_equals_a_cold_start(gguf_file: Path) -> None:
     assert cold[0] == warm[0]
     assert torch.equal(cold[1], warm[1])
     assert cold[2:] == warm[2:]
+
+
+def test_a_load_counts_converting_as_repack_and_a_cache_hit_as_read(gguf_file: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up timeline's marks of a GGUF load (`startup_timeline.LOAD_WORK`): the header read, the
+    content verified, the weights converted on a cold start and read from the cache on a warm one."""
+    timeline = startup_timeline.begin()
+    monkeypatch.setattr(startup_timeline, "_current", timeline)  # the suite's process has no timeline after
+    marks = []
+    for _ in range(2):
+        timeline.marks.clear()
+        load_model(gguf_file, dtype="float32")
+        marks.append([phase for phase, _ in timeline.marks])
+    assert marks[0] == ["read", "verify", "tokenizer", "repack", "model"], marks
+    assert marks[1] == ["read", "verify", "tokenizer", "read", "model"], marks
+    assert [part.split()[0] for part in timeline.load_split().split(", ")] == list(startup_timeline.LOAD_WORK)
 
 
 def test_a_cache_hit_imports_no_transformers(gguf_file: Path) -> None:
@@ -187,7 +204,7 @@ def test_the_progress_line_shows_on_a_terminal_only(monkeypatch: pytest.MonkeyPa
     assert ("converting weights: 100%" in stream.getvalue()) == terminal
 
 
-PHASES = ("boot", "bind", "prepare", "spawn", "core_import", "weights", "model", "tokenizer", "freeze",
+PHASES = ("boot", "bind", "prepare", "spawn", "core_import", "read", "model", "tokenizer", "repack",
           "kv_cache", "scheduler", "handoff", "frontend", "http_import", "http")
 
 
@@ -198,6 +215,8 @@ def test_the_start_up_timeline_is_logged_once_and_in_metrics() -> None:
         log = server.log()
     lines = [line for line in log.splitlines() if "start-up timeline (ms): " in line]
     assert len(lines) == 1, log[-3000:]
+    load = re.findall(r"model load: read [\d.]+ s, verify [\d.]+ s, repack [\d.]+ s, compile [\d.]+ s", log)
+    assert len(load) == 1, log[-3000:]
     timeline = dict(part.rsplit(" ", 1) for part in lines[0].split("start-up timeline (ms): ")[1].split(", "))
     assert tuple(timeline) == (*PHASES, "total"), lines[0]
     assert all(int(ms) >= 0 for ms in timeline.values())

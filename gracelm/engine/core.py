@@ -64,7 +64,7 @@ class EngineCore:
         self.executor = Executor(config)
         try:
             loaded = self.executor.load_model()
-            startup_timeline.mark("freeze")  # fused, packed; with tensor parallelism, sharded everywhere
+            startup_timeline.mark("repack")  # fused, packed; with tensor parallelism, sharded everywhere
             self.model_name = loaded.name
             self.model_config = loaded.config
             self.tokenizer = loaded.tokenizer
@@ -94,6 +94,9 @@ class EngineCore:
         self.state = CoreState.RUNNING
         logger.info("engine core ready: %s, max_model_len %d, %d KV blocks of %d tokens", self.model_name,
                     self.max_model_len, num_blocks, config.block_size)
+        timeline = startup_timeline.current()
+        if timeline is not None:
+            logger.info("model load: %s", timeline.load_split())
 
     def _size_kv_cache(self) -> tuple[int, int]:
         """max_model_len and the number of KV blocks."""

@@ -75,8 +75,9 @@ def open_gguf(path: str | Path) -> GGUFModel:
     config = gguf_model_config(gguf)
     _check_tensor_types(gguf)
     names = {name: _hf_name(gguf, name) for name in gguf.tensors if name != ROPE_FREQS}
+    mark("read")
     model_hash = content_hash(path)
-    mark("model_files")
+    mark("verify")
     return GGUFModel(gguf, config, names, model_hash)
 
 

@@ -111,7 +111,7 @@ def _load_hf_directory(path: Path, dtype: str, device: torch.device) -> LoadedMo
         shapes = [handle.get_slice(name).get_shape() for handle in handles.values() for name in handle.keys()]
         _check_weights_fit(shapes, 0, target, device)
         state = dict(_read_tensors(handles, target))
-    mark("weights")
+    mark("read")
     model = build_model(config, state, target, source=path)
     mark("model")
     tokenizer = cached_tokenizer(content_hash(path), lambda: Tokenizer.from_dir(path))
@@ -137,8 +137,7 @@ def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.dev
     state = model_file.weights(target, without)
     state.update({name: torch.empty(tensors[gguf_name].shape, dtype=target, device="meta")
                   for gguf_name, name in blocks.items() if name in without})
-    int4 = model_file.low_bit_weights(low_bit) if low_bit is not None else {}
-    mark("weights")
+    int4 = model_file.low_bit_weights(low_bit) if low_bit is not None else {}  # marks read or repack
     model = build_model(model_file.config, state, target, source=path)
     if _EMBEDDING in without:
         model.model.embed_tokens = model_file.embedding(target)

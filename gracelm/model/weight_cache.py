@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from gracelm.cache_dir import cache_dir, mtime, write_atomic
+from gracelm.startup_timeline import mark
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +58,16 @@ def cached_tensors(model_hash: str, kind: torch.dtype | str, expected: Expected,
     if weights is not None:
         with contextlib.suppress(OSError):  # a read-only cache still serves its entries
             os.utime(path)  # most recently used: the last to be pruned
+        mark("read")
         return weights
     weights = convert()
     try:
         write_atomic(path, save(weights))
     except OSError as e:  # a read-only or full disk: serve anyway, convert again next time
         logger.warning("cannot keep the converted weights in %s: %s", path, e)
-        return weights
-    _prune(path.parent)
+    else:
+        _prune(path.parent)
+    mark("repack")
     return weights
 
 

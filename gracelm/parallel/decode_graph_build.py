@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 import gracelm.cpu_features as cpu_features
+import gracelm.startup_timeline as startup_timeline
 from gracelm.config import EngineConfig
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import ChildProcess, exit_process, start_process
@@ -138,12 +139,14 @@ class DecodeGraphBuild:
         """The graph at `path`, loaded and checked (`decode_graph_check.py`); None where it failed."""
         try:
             graph = DecodeGraph.load(path, rows, self.block_size, self.loaded.model.model)
+            startup_timeline.mark("compile")  # a start's share of the compile: loading what was compiled
         except Exception as e:
             if damaged(path):  # rebuilt at the next start
                 path.unlink(missing_ok=True)
             self._fail(f"cannot load {path} ({e}){'; removed' if not path.exists() else ''}")
             return None
         problem = check(self.loaded.model, graph, self.block_size)
+        startup_timeline.mark("verify")
         if problem is not None:
             self._fail(f"the graph of {rows.start} to {rows.stop - 1} sequences failed its check: {problem}")
             return None

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import gracelm.startup_timeline as startup_timeline
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.lifecycle.ledger import Ledger, Outcome, ResourceKind, ResourceReport, ShutdownReport
 from gracelm.model.loader import LoadedModel
@@ -103,6 +104,7 @@ class Executor:
         if self._group is not None:
             self._group.broadcast(m.InitKVCache(num_blocks))
         self._driver.init_kv_cache(num_blocks)
+        startup_timeline.mark("kv_cache")
         self.ledger.acquire(ResourceKind.KV_CACHE, f"{num_blocks} blocks, rank 0", self._driver.free_kv_cache)
         if self._group is not None:
             self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
