@@ -11,7 +11,8 @@ setup(
         CppExtension(
             "gracelm._kernels",
             ["gracelm/csrc/paged_decode_attention.cpp", "gracelm/csrc/block_matmul.cpp",
-             "gracelm/csrc/block_matmul_amx.cpp", "gracelm/csrc/int4_matmul.cpp"],
+             "gracelm/csrc/block_matmul_amx.cpp", "gracelm/csrc/block_pack.cpp",
+             "gracelm/csrc/int4_matmul.cpp"],
             # -fopenmp: at::parallel_for shares torch's OpenMP threads. No -march: the kernel's hot function
             # is compiled for AVX-512, AVX2 and the baseline, chosen by the CPU at load time.
             extra_compile_args=["-O3", "-fopenmp", "-mprefer-vector-width=512"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ENV = "GRACELM_CACHE_DIR"
@@ -27,13 +28,18 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replaces `path` by `data` all at once: readers see the old file or the new one, never a part."""
+def write_atomic(path: Path, data: bytes | Callable[[Path], None]) -> None:
+    """Replaces `path` by `data` all at once: readers see the old file or the new one, never a part. `data`:
+    the bytes, or what writes them into the file it is given (a large file written from its tensors, with no
+    copy of the whole in memory)."""
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
+            if callable(data):
+                data(Path(temporary))
+            else:
+                file.write(data)
+                file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:

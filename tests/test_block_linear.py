@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 import gracelm.cpu_features as cpu_features
@@ -162,6 +163,27 @@ def test_stacked_forms_equal_their_parts_where_the_tiles_stack() -> None:
     assert BlockLinear.stacked([parts[0], eight_bit]) is None  # 4 and 8 bits
 
 
+def test_a_stack_split_into_parts_stacks_again_as_a_view_of_itself() -> None:
+    """What the cache keeps stacked (`gguf_loader._cache_entries`) is served as views: split, its parts
+    equal the matrices packed alone, and stacked again they are the same records, not a copy; parts of
+    different tensors are copied."""
+    parts = [BlockLinear.from_file(quantized((rows, 96), Q.Q4_1, seed=rows)[0], Q.Q4_1)
+             for rows in (32, 48, 40)]
+    whole = BlockLinear.stacked(parts)
+    assert whole is not None
+    views = whole.split_rows([32, 48, 40])
+    x = activations(5, 96)
+    for view, part in zip(views, parts, strict=True):
+        assert view.rows == part.rows and torch.equal(view.packed, part.packed)
+        assert torch.equal(view(x), part(x))
+        assert view.packed.untyped_storage().data_ptr() == whole.packed.untyped_storage().data_ptr()
+    again = BlockLinear.stacked(views)
+    assert again is not None and again.packed.data_ptr() == whole.packed.data_ptr()
+    assert again.packed.shape == whole.packed.shape and torch.equal(again(x), whole(x))
+    assert BlockLinear.stacked([views[0], views[2]]).packed.data_ptr() != whole.packed.data_ptr()  # apart
+    assert BlockLinear.stacked(parts).packed.data_ptr() != whole.packed.data_ptr()  # of separate tensors
+
+
 def test_the_stored_form_is_what_pack_makes() -> None:
     for qtype in TYPES:
         form = BlockLinear.from_file(quantized((40, 96), qtype)[0], qtype)
@@ -169,11 +191,36 @@ def test_the_stored_form_is_what_pack_makes() -> None:
         assert form.packed.shape == shape == (3, 3, record_bytes(BITS[qtype])) and form.packed.dtype == dtype
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_packer_writes_the_records_the_layout_describes(qtype: Q, shape: tuple[int, int]) -> None:
+    """`block_pack` (C++, one pass) against the layout written out in torch, record for record."""
+    blocks = quantized(shape, qtype, seed=shape[0])[0]
+    assert torch.equal(BlockLinear.from_file(blocks, qtype).packed, reference_records(blocks, qtype))
+
+
+def reference_records(raw: np.ndarray, qtype: Q) -> torch.Tensor:
+    """The records of `block_linear.py`'s layout, built from the file's values in torch ops: the outputs in
+    tiles of 16 (the last padded with zeros), per (tile, block) vector j of inputs 4j..4j+3 of every output
+    (4 bits: vectors 2h and 2h + 1 as low and high nibbles), then the 16 scales and the 16 minimums."""
+    q, scales, minimums = file_blocks(raw, qtype)
+    rows, columns = q.shape
+    pad = -rows % 16
+    q, scales, minimums = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, minimums))
+    tiles, blocks = (rows + pad) // 16, columns // BLOCK
+    vectors = q.view(tiles, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # [tile, block, j, output, input]
+    if BITS[qtype] == 4:
+        vectors = vectors[:, :, 0::2] | (vectors[:, :, 1::2] << 4)
+    tails = torch.stack([scales, minimums]).view(2, tiles, 16, blocks).permute(1, 3, 0, 2).contiguous()
+    return torch.cat([vectors.reshape(tiles, blocks, -1), tails.view(torch.uint8).reshape(tiles, blocks, -1)],
+                     dim=2)
+
+
 def test_a_minimum_that_overflows_float16_is_refused() -> None:
-    q = torch.zeros(16, BLOCK, dtype=torch.uint8)
-    scales = torch.full((16, 1), 600.0, dtype=torch.float16)
-    with pytest.raises(ValueError, match="minimum overflows float16"):
-        BlockLinear.pack(q, scales, scales * -128, 8)
+    blocks = quantized((16, BLOCK), Q.Q8_0)[0].copy()
+    blocks[3, :2] = np.frombuffer(np.float16(600.0).tobytes(), dtype=np.uint8)  # row 3's scale: 600
+    with pytest.raises(RuntimeError, match="minimum overflows float16"):
+        BlockLinear.from_file(blocks, Q.Q8_0)
 
 
 def test_bad_arguments_raise_an_error_naming_the_kernel() -> None:

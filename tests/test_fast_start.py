@@ -64,10 +64,11 @@ def test_a_cache_hit_equals_a_cold_start(gguf_file: Path) -> None:
     assert cold[2:] == warm[2:]
 
 
-def test_a_load_counts_converting_as_repack_and_a_cache_hit_as_read(gguf_file: Path,
+def test_a_load_counts_converting_as_repack_and_a_cache_hit_as_read(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The start-up timeline's marks of a GGUF load (`startup_timeline.LOAD_WORK`): the header read, the
     content verified, the weights converted on a cold start and read from the cache on a warm one."""
+    gguf_file = write_gguf(tmp_path / "own.gguf", gguf_layout(hf_model("llama", seed=13), "llama"), Q.Q8_0)
     timeline = startup_timeline.begin()
     monkeypatch.setattr(startup_timeline, "_current", timeline)  # the suite's process has no timeline after
     marks = []

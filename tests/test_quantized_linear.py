@@ -12,6 +12,7 @@ path where the dense logits do not nearly tie."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import subprocess
@@ -29,6 +30,7 @@ from gracelm import Engine, SamplingParams, cpu_features
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.block_linear import MAX_ROWS as BLOCK_MAX_ROWS
 from gracelm.model.block_linear import BlockLinear, amx_rows
+from gracelm.model.block_linear import serves as block_serves
 from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.gguf_int4 import input_copies, int4_blocks
@@ -395,6 +397,25 @@ def test_dense_weights_off_where_no_low_bit_form_serves_is_refused_saying_why(tm
         load_model(path, dtype="float32", dense_weights="off")
 
 
+@pytest.mark.skipif(not (LOADED and block_serves()), reason="the blocks kernel does not serve on this CPU")
+def test_the_blocks_the_model_stacks_are_the_cache_entrys_records_not_a_copy(tmp_path: Path) -> None:
+    """q/k/v and gate/up, stacked by the model (one matmul each), are views of the stacks the cache keeps:
+    on a cold start (the entry just written) and a warm one (mapped from it), the weights are held once."""
+    path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1, seed=12)  # a cold cache
+    for _ in ("cold", "warm"):
+        loaded = load_model(path, dtype="bfloat16", quantization="blocks", dense_weights="off")
+        parts = dict(loaded.int4)
+        loaded.freeze()
+        stacks = [module for module in loaded.model.modules()
+                  if isinstance(module, FrozenLinear) and len(module.output_sizes) > 1]
+        assert len(stacks) == 2 * loaded.config.num_hidden_layers, stacks
+        q_proj = parts["model.layers.0.self_attn.q_proj.weight"].packed
+        layer0 = [s for s in stacks if s.int4.packed.untyped_storage().data_ptr()
+                  == q_proj.untyped_storage().data_ptr()]
+        assert len(layer0) == 1 and layer0[0].int4.packed.data_ptr() == q_proj.data_ptr()
+        assert layer0[0].int4.rows == sum(layer0[0].output_sizes)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_the_low_bit_form_is_cached_and_a_damaged_entry_rebuilt(tmp_path: Path, form: str,
                                                                caplog: pytest.LogCaptureFixture) -> None:
@@ -402,7 +423,8 @@ def test_the_low_bit_form_is_cached_and_a_damaged_entry_rebuilt(tmp_path: Path, 
     layout = {"blocks": BlockLinear, "int4": Int4Linear}[form].layout()
     entry = entry_path(content_hash(path), layout)
     assert not entry.exists()
-    cold = load_model(path, dtype="bfloat16", quantization=form).int4
+    # Copied: a cold start too serves the entry's mapping once written, and the entry is truncated below.
+    cold = copy.deepcopy(load_model(path, dtype="bfloat16", quantization=form).int4)
     assert entry.is_file()
     # a hit, mapped from the entry
     assert_same_forms(load_model(path, dtype="bfloat16", quantization=form).int4, cold)

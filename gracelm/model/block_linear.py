@@ -37,11 +37,12 @@ low-bit rows (a decode step of 16 sequences or more), as they do where torch's i
 to the dense weights (`--deterministic` runs dense weights throughout). The 8-bit logits head stays on the
 8-bit kernel (its 8-bit values have no 16-entry table).
 
-The layout (`pack`): the outputs in tiles of 16 (one vector of sums), each tile's blocks in input order,
-a record per (tile, block): the 16 × 32 q as 8 vectors of 64 bytes, vector j holding inputs 4j..4j+3 of
-every output (4 bits: vectors 2h and 2h + 1 as the low and high nibbles of the same 64 bytes), then the
-16 scales and the 16 minimums in float16: 320 bytes for 512 weights in 4 bits (5 bits a weight, Q4_1's
-own), 576 in 8 bits. A thread reads its tiles' records front to back.
+The layout (`gracelm/csrc/block_pack.cpp` packs it): the outputs in tiles of 16 (one vector of sums; a
+last tile of fewer padded with zeros), each tile's blocks in input order, a record per (tile, block): the
+16 × 32 q as 8 vectors of 64 bytes, vector j holding inputs 4j..4j+3 of every output (4 bits: vectors 2h
+and 2h + 1 as the low and high nibbles of the same 64 bytes), then the 16 scales and the 16 minimums in
+float16: 320 bytes for 512 weights in 4 bits (5 bits a weight, Q4_1's own), 576 in 8 bits. A thread reads
+its tiles' records front to back.
 """
 
 from __future__ import annotations
@@ -50,12 +51,11 @@ import functools
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
 import gracelm.cpu_features as cpu_features
-from gracelm.model.gguf_int4 import BITS, file_blocks
+from gracelm.model.gguf_int4 import BITS
 from gracelm.model.kernel_library import LOADED
 
 # Inputs per block (GGUF's block size for these types) and outputs per tile.
@@ -107,28 +107,11 @@ class BlockLinear(nn.Module):
         self.bits = bits
 
     @classmethod
-    def pack(cls, q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor, bits: int) -> BlockLinear:
-        """From q [N, K] (uint8, 0..2^bits − 1) and float16 scales and minimums [N, K / 32]
-        (`gguf_int4.file_blocks`)."""
-        if not torch.isfinite(minimums).all():
-            raise ValueError("a block's minimum overflows float16 (a Q8_0 scale above 511?)")
-        rows, columns = q.shape
-        pad = -rows % TILE
-        q = F.pad(q, (0, 0, 0, pad))  # zero scales and minimums: outputs of zeros
-        scales, minimums = F.pad(scales, (0, 0, 0, pad)), F.pad(minimums, (0, 0, 0, pad))
-        tiles, blocks = (rows + pad) // TILE, columns // BLOCK
-        # [tile, output, block, vector j, input of 4] -> [tile, block, j, output, input of 4]
-        vectors = q.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4)
-        if bits == 4:
-            vectors = vectors[:, :, 0::2] | (vectors[:, :, 1::2] << 4)
-        tails = torch.stack([scales, minimums]).view(2, tiles, TILE, blocks).permute(1, 3, 0, 2).contiguous()
-        records = [vectors.reshape(tiles, blocks, -1), tails.view(torch.uint8).reshape(tiles, blocks, -1)]
-        return cls(torch.cat(records, dim=2), rows, bits)
-
-    @classmethod
     def from_file(cls, raw: np.ndarray, ggml_type: GGMLQuantizationType) -> BlockLinear:
-        """From a GGUF matrix's stored bytes [rows, bytes per row]."""
-        return cls.pack(*file_blocks(raw, ggml_type), BITS[ggml_type])
+        """From a GGUF matrix's stored bytes [rows, bytes per row], packed in one pass
+        (`gracelm/csrc/block_pack.cpp`)."""
+        packed = torch.ops.gracelm.block_pack(torch.from_numpy(np.ascontiguousarray(raw)), int(ggml_type))
+        return cls(packed, raw.shape[0], BITS[ggml_type])
 
     @staticmethod
     def stored_form_of(shape: tuple[int, int], ggml_type: GGMLQuantizationType
@@ -146,16 +129,35 @@ class BlockLinear(nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed": self.packed}
 
+    # Stacks are kept whole where they are made once (a cache entry holds q/k/v and gate/up stacked), their
+    # parts views of them: stacking those parts again is a view too, not a second copy of the weights.
+    stacks_as_views = True
+
     @staticmethod
     def stacked(parts: list[BlockLinear]) -> BlockLinear | None:
         """The parts stacked by rows (a fused q/k/v or gate/up), or None where they cannot be: of one width
-        and one bit count, every part but the last whole tiles."""
+        and one bit count, every part but the last whole tiles. Parts that are consecutive views of one
+        tensor (`split_rows`) give a view of it."""
         if len(parts) == 1:
             return parts[0]
         if (any(p.rows % TILE for p in parts[:-1]) or len({p.packed.shape[1:] for p in parts}) > 1
                 or len({p.bits for p in parts}) > 1):
             return None
-        return BlockLinear(torch.cat([p.packed for p in parts]), sum(p.rows for p in parts), parts[0].bits)
+        rows = sum(p.rows for p in parts)
+        whole = _whole_of(parts)
+        return BlockLinear(whole if whole is not None else torch.cat([p.packed for p in parts]), rows,
+                           parts[0].bits)
+
+    def split_rows(self, rows: list[int]) -> list[BlockLinear]:
+        """The weight's consecutive parts of `rows` rows each (every part but the last whole tiles), as views
+        of its records."""
+        parts, tile = [], 0
+        for count in rows:
+            tiles = -(-count // TILE)
+            parts.append(BlockLinear(self.packed[tile:tile + tiles], count, self.bits))
+            tile += tiles
+        assert tile == self.packed.shape[0] and sum(rows) == self.rows, (rows, self.rows)
+        return parts
 
     def to_dtype(self, dtype: torch.dtype) -> BlockLinear:
         """Itself: it computes in float32 and answers in the activations' dtype, whichever."""
@@ -179,3 +181,18 @@ class BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         amx = amx_rows() > 0
         return torch.ops.gracelm.block_matmul(x.contiguous(), self.packed, self.rows, self.bits, amx)
+
+
+def _whole_of(parts: list[BlockLinear]) -> torch.Tensor | None:
+    """The records of `parts` as one tensor without a copy, where each part's records follow the previous
+    part's in one storage (views made by `split_rows`); else None."""
+    first = parts[0].packed
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    for part in parts:
+        packed = part.packed
+        if (not packed.is_contiguous() or packed.untyped_storage().data_ptr() != storage
+                or packed.data_ptr() != end):
+            return None
+        end += packed.nbytes
+    tiles = sum(part.packed.shape[0] for part in parts)
+    return first.as_strided((tiles, *first.shape[1:]), first.stride())

@@ -52,8 +52,10 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# The matrices stacked with others after them (q with k and v, k with v, gate with up).
-_STACKED_BEFORE_OTHERS = ("attn_q", "attn_k", "ffn_gate")
+# The matrices the model stacks by rows (`llama.FrozenLinear`), in order; all but the last of each are
+# stacked with others after them, so their rows must be whole tiles.
+_STACKS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_STACKED_BEFORE_OTHERS = tuple(name for stack in _STACKS for name in stack[:-1])
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -125,19 +127,49 @@ class GGUFModel:
 
     def low_bit_weights(self, form: type[LowBitForm]) -> dict[str, LowBitForm]:
         """The `int4_matrices` in `form` (`BlockLinear`, or `Int4Linear`: torch's int4 kernel), under their
-        Hugging Face names, from the cache or packed there."""
-        blocks = self.int4_matrices()
-        infos = {hf_name: self.gguf.tensors[gguf_name] for gguf_name, hf_name in blocks.items()}
-        shapes = {hf_name: (info.shape[0], info.shape[1]) for hf_name, info in infos.items()}
-        parts = {hf_name: form.stored_form_of(shapes[hf_name], info.ggml_type)
-                 for hf_name, info in infos.items()}
-        expected = {f"{hf_name}.{part}": stored
-                    for hf_name, stored_parts in parts.items() for part, stored in stored_parts.items()}
+        Hugging Face names, from the cache or packed there. A form whose stacks are views
+        (`stacks_as_views`) is kept with each layer's q/k/v and gate/up stacked, each matrix a view of its
+        stack, so that the model's stacking copies nothing."""
+        infos = {hf_name: self.gguf.tensors[gguf_name] for gguf_name, hf_name in self.int4_matrices().items()}
+        entries = self._cache_entries(infos, form)
+        shapes = {entry: (sum(infos[name].shape[0] for name in names), infos[names[0]].shape[1])
+                  for entry, names in entries.items()}
+        parts = {entry: form.stored_form_of(shapes[entry], infos[names[0]].ggml_type)
+                 for entry, names in entries.items()}
+        expected = {f"{entry}.{part}": stored
+                    for entry, stored_parts in parts.items() for part, stored in stored_parts.items()}
         tensors = cached_tensors(self.model_hash, form.layout(), expected,
-                                 lambda: _converted_forms(self, blocks, form))
-        return {hf_name: form.from_tensors({part: tensors[f"{hf_name}.{part}"] for part in parts[hf_name]},
-                                           shapes[hf_name], info.ggml_type)
-                for hf_name, info in infos.items()}
+                                 lambda: _converted_forms(self, entries, form))
+        forms: dict[str, LowBitForm] = {}
+        for entry, names in entries.items():
+            whole = form.from_tensors({part: tensors[f"{entry}.{part}"] for part in parts[entry]},
+                                      shapes[entry], infos[names[0]].ggml_type)
+            split = whole.split_rows([infos[name].shape[0] for name in names]) if len(names) > 1 else [whole]
+            forms.update(zip(names, split, strict=True))
+        return forms
+
+    def _cache_entries(self, infos: dict[str, GGUFTensorInfo], form: type[LowBitForm]
+                       ) -> dict[str, list[str]]:
+        """The cache's entries of low-bit matrices: entry name -> the Hugging Face names it holds, stacked by
+        rows in that order (a layer's `_STACKS`, where the form stacks as views and their blocks are of one
+        type and width), else one each."""
+        entries = {name: [name] for name in infos}
+        if not form.stacks_as_views or self.unstackable_blocks() is not None:
+            return entries
+        layer_parts = {}  # (layer, GGUF kind) -> Hugging Face name
+        for gguf_name, hf_name in self.names.items():
+            match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
+            if match and hf_name in infos:
+                layer_parts[match.group(1), match.group(2)] = hf_name
+        for layer in {layer for layer, _ in layer_parts}:
+            for stack in _STACKS:
+                names = [layer_parts.get((layer, kind)) for kind in stack]
+                if None in names or len({(infos[n].ggml_type, infos[n].shape[1]) for n in names}) > 1:
+                    continue
+                for name in names:
+                    del entries[name]
+                entries["+".join(names)] = names
+        return entries
 
 
 def _converted(model: GGUFModel, dtype: torch.dtype, names: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -152,18 +184,23 @@ def _converted(model: GGUFModel, dtype: torch.dtype, names: dict[str, str]) -> d
     return weights
 
 
-def _converted_forms(model: GGUFModel, blocks: dict[str, str], form: type[LowBitForm]
+def _converted_forms(model: GGUFModel, entries: dict[str, list[str]], form: type[LowBitForm]
                      ) -> dict[str, torch.Tensor]:
-    """The matrices `blocks` names (GGUF name -> HF name) in `form`, llama.cpp's rotary layout undone (a
-    permutation of whole rows, blocks and all), as the cache keeps them."""
+    """The cache's `entries` (name -> Hugging Face names, stacked by rows) in `form`, llama.cpp's rotary
+    layout undone (a permutation of whole rows, blocks and all), as the cache keeps them."""
     gguf = model.gguf
+    gguf_of = {hf_name: gguf_name for gguf_name, hf_name in model.names.items()}
     rotary_heads = _rotary_permuted_heads(gguf, model.config)
     tensors = {}
-    for gguf_name, hf_name in load_progress(blocks.items(), len(blocks), "packing 4/8-bit weights"):
-        info = gguf.tensors[gguf_name]
-        raw = _in_hf_row_order(gguf_name, torch.from_numpy(gguf.raw_tensor(info)), rotary_heads).numpy()
-        for name, tensor in form.from_file(raw, info.ggml_type).tensors().items():
-            tensors[f"{hf_name}.{name}"] = tensor
+    for entry, names in load_progress(entries.items(), len(entries), "packing 4/8-bit weights"):
+        packed = []
+        for name in names:
+            info = gguf.tensors[gguf_of[name]]
+            raw = _in_hf_row_order(gguf_of[name], torch.from_numpy(gguf.raw_tensor(info)), rotary_heads)
+            packed.append(form.from_file(raw.numpy(), info.ggml_type))
+        whole = form.stacked(packed) if len(packed) > 1 else packed[0]
+        assert whole is not None, entry  # `_cache_entries` stacks only what stacks
+        tensors.update({f"{entry}.{part}": tensor for part, tensor in whole.tensors().items()})
     return tensors
 
 

@@ -70,6 +70,8 @@ class Int4Linear(nn.Module):
     """A [rows, K] weight as the int4 kernel reads it: `packed` uint8 [rows padded to 16, K / 2] and
     `scales_zeros` [K / GROUP_SIZE, rows padded, 2] (scale, zero) in the dtype the kernel computes in."""
 
+    stacks_as_views = False  # (`BlockLinear.stacks_as_views`) its scales are laid out by group, then row
+
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, rows: int, input_copies: int = 1
                  ) -> None:
         super().__init__()

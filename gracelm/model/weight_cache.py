@@ -21,6 +21,7 @@ are deleted when a new entry is written. Delete the folder to reclaim the space 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -29,15 +30,16 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save_file
 
 from gracelm.cache_dir import cache_dir, mtime, write_atomic
 from gracelm.startup_timeline import mark
 
 logger = logging.getLogger(__name__)
 
-# Bump when the conversion changes what it produces (names, layout, dequantization). 2: int4 entries.
-FORMAT_VERSION = 2
+# Bump when the conversion changes what it produces (names, layout, dequantization). 2: int4 entries; 3:
+# low-bit matrices stacked as the model stacks them.
+FORMAT_VERSION = 3
 # Entries kept: with a few models in turn, each still starts warm. A 4-bit GGUF file served in bfloat16 has
 # two (the default model's: 270 MB dense, 80 MB int4); the float32 default model's dense entry is 0.5 GB.
 MAX_ENTRIES = 6
@@ -62,11 +64,14 @@ def cached_tensors(model_hash: str, kind: torch.dtype | str, expected: Expected,
         return weights
     weights = convert()
     try:
-        write_atomic(path, save(weights))
+        write_atomic(path, functools.partial(save_file, weights))
     except OSError as e:  # a read-only or full disk: serve anyway, convert again next time
         logger.warning("cannot keep the converted weights in %s: %s", path, e)
     else:
         _prune(path.parent)
+        # Served from the entry's pages, as a warm start is: the converted copies are freed, and a cold
+        # start holds no more memory than a warm one.
+        weights = _read(path, expected) or weights
     mark("repack")
     return weights
 

@@ -48,7 +48,7 @@ from gracelm.model.prompt_logprobs import prompt_logprobs
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
 from gracelm.model.token_constraints import ConstraintStates, has_constraints
 from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch, StepResult
-from gracelm.parallel.heap import keep_freed_memory
+from gracelm.parallel.heap import keep_freed_memory, release_freed_memory
 from gracelm.parallel.layout import check_shardable, shard_config
 from gracelm.parallel.sharding import TensorParallelModel
 
@@ -123,6 +123,7 @@ class Worker:
         model = self.shard if self.shard is not None else self.loaded.model
         # Counted once: the weights do not change while serving, and counting walks every module (ms).
         self.weight_bytes = tensor_bytes(model)
+        release_freed_memory()
         self.loaded.model.model.decode_attention = self.config.decode_attention
         if self.rank == 0:
             logger.info("CPU features: %s", cpu_features.describe())
