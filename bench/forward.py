@@ -8,9 +8,9 @@
     .venv/bin/python bench/forward.py --llama-bench           # beside llama-bench -t 2 -p 512 -n 128
     .venv/bin/python bench/forward.py --llama-bench --dense-weights on   # prompts through the dense copy
 
-On the default model (SmolLM2-135M-Instruct), frozen as the engine runs it (`LoadedModel.freeze()`: in
-bfloat16, its 4-bit matrices serve steps of few rows through the int4 kernel, see
-`gracelm/model/quantized_linear.py`): decode steps
+On the default model (SmolLM2-135M-Instruct; `--gguf FILE` another, such as a `bench/model_shapes.py`
+file of real size), frozen as the engine runs it (`LoadedModel.freeze()`: in bfloat16, its 4-bit matrices
+serve steps of few rows through the int4 kernel, see `gracelm/model/quantized_linear.py`): decode steps
 of `--batches` sequences at `--context` tokens of context each, and one `--prefill`-token prompt, in tokens
 per second. Beside each figure: transformers on the same dequantized weights (its `LlamaForCausalLM`,
 decoding through a `DynamicCache` of the same length), and the machine's limits measured in the same run
@@ -284,7 +284,7 @@ class HFPrefill:
 
 
 def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
-    loaded = load_model(None, dtype=dtype, dense_weights=args.dense_weights)
+    loaded = load_model(args.gguf, dtype=dtype, dense_weights=args.dense_weights)
     config = loaded.config
     kv_dtype = DTYPES[args.kv_dtype] if args.kv_dtype else loaded.dtype
     hf = transformers_model(loaded) if args.hf else None  # built from the HF-named weights, before freezing
@@ -318,7 +318,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> list[Row]:
 def bench_kernels(args: argparse.Namespace) -> tuple[list[KernelRow], int]:
     """The rows, and the dispatch's int4 rows."""
     # The engine's dtype: bfloat16, or float32 where bfloat16 is emulated.
-    loaded = load_model(None, quantization=args.quantization)
+    loaded = load_model(args.gguf, quantization=args.quantization)
     if not loaded.int4:
         sys.exit("--int4: the default model has no low-bit form here (`quantized_linear.int4_serves`)")
     loaded.freeze()
@@ -343,7 +343,7 @@ def bench_decode_graph(args: argparse.Namespace) -> list[dict]:
     """Decode steps of `--batches` sequences (up to 8), eager against the compiled graphs (from
     the cache, else compiled here and kept there), alternating, at each `--contexts` length; and how far
     apart their logits are."""
-    loaded = load_model(None)  # the engine's dtype: bfloat16, or float32 where bfloat16 is emulated
+    loaded = load_model(args.gguf)  # the engine's dtype: bfloat16, or float32 where bfloat16 is emulated
     loaded.freeze()
     if not graph_applies(EngineConfig(), loaded, 1):
         sys.exit("--decode-graph: it does not apply here (the model has no int4 forms)")
@@ -428,9 +428,9 @@ def format_table(rows: list[Row], limits: Limits, context: int, frozen: bool) ->
 
 # -- beside llama-bench ----------------------------------------------------------------------------------
 
-def llama_bench(binary: Path, threads: int, prefill: int) -> dict[str, float]:
-    """llama-bench's tok/s on the default model: {"decode": tg128, "prefill": pp<prefill>}."""
-    command = [str(binary), "-m", str(default_model_path()), "-t", str(threads), "-p", str(prefill),
+def llama_bench(binary: Path, gguf: Path, threads: int, prefill: int) -> dict[str, float]:
+    """llama-bench's tok/s on the model file `gguf`: {"decode": tg128, "prefill": pp<prefill>}."""
+    command = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prefill),
                "-n", str(LLAMA_BENCH_DECODE), "-o", "json"]
     tests = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
     return {"decode": next(t["avg_ts"] for t in tests if t["n_gen"] == LLAMA_BENCH_DECODE),
@@ -452,7 +452,7 @@ def compare_with_llama_bench(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"no llama-bench at {args.llama_bench}; run `bench/serve.py setup-llama-cpp` first")
     models = {}
     for dtype in args.dtypes:  # as the engine runs it: int4 forms and compiled decode steps where they apply
-        models[dtype] = load_model(None, dtype=dtype, dense_weights=args.dense_weights)
+        models[dtype] = load_model(args.gguf, dtype=dtype, dense_weights=args.dense_weights)
         models[dtype].freeze()
         if graph_applies(EngineConfig(), models[dtype], 1):
             models[dtype].model.model.decode_graphs = decode_graphs(models[dtype])
@@ -460,7 +460,8 @@ def compare_with_llama_bench(args: argparse.Namespace) -> list[dict]:
     theirs: list[dict[str, float]] = []
     for round_ in range(args.llama_rounds):
         sides = [lambda: ours.append({d: ours_beside_llama_bench(m, args) for d, m in models.items()}),
-                 lambda: theirs.append(llama_bench(args.llama_bench, args.llama_threads, args.prefill))]
+                 lambda: theirs.append(llama_bench(args.llama_bench, args.gguf or Path(default_model_path()),
+                                                       args.llama_threads, args.prefill))]
         for side in sides if round_ % 2 == 0 else reversed(sides):
             side()
     rows = []
@@ -489,6 +490,7 @@ def format_llama_bench(rows: list[dict], args: argparse.Namespace) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", type=Path, default=None, help="the model file (default: the default model)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     p.add_argument("--kv-dtype", choices=sorted(DTYPES), help="KV cache dtype (default: the model's)")
     p.add_argument("--batches", help="decode batch sizes, comma-separated (default: 1,16,64)")
