@@ -161,7 +161,7 @@ class GGUFModel:
             match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
             if match and hf_name in infos:
                 layer_parts[match.group(1), match.group(2)] = hf_name
-        for layer in {layer for layer, _ in layer_parts}:
+        for layer in sorted({layer for layer, _ in layer_parts}, key=int):
             for stack in _STACKS:
                 names = [layer_parts.get((layer, kind)) for kind in stack]
                 if None in names or len({(infos[n].ggml_type, infos[n].shape[1]) for n in names}) > 1:
