@@ -12,8 +12,8 @@ each): 823-953 output tok/s against 657-886, ITL p99 48-54 ms against 65-75.
 
 The cost: the process keeps up to 256 MB of freed heap (its peak transient use, in practice tens of MB)
 instead of returning it; the KV cache and weights (far above 64 MB each, or memory-mapped) are unaffected.
-What the load freed (a cold start's conversions, the pieces of stacked weights) is returned once, before
-serving (`release_freed_memory`): that peak is not a step's.
+What the load freed (a cold start's conversions above all) is returned once, before serving
+(`release_freed_memory`): that peak is not a step's.
 """
 
 from __future__ import annotations
