@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 logger = logging.getLogger(__name__)
@@ -34,9 +35,7 @@ TRIM_THRESHOLD = 256 << 20
 def keep_freed_memory() -> bool:
     """Sets this process's glibc heap to keep freed memory (see above); False, logged, where the C library is
     not glibc (musl has no mallopt: the default behaviour stays, slower, nothing else changes)."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    mallopt = getattr(libc, "mallopt", None)
+    mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None or not (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
                                and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         logger.info("the C library's heap keeps its default thresholds (no glibc mallopt)")
@@ -46,7 +45,13 @@ def keep_freed_memory() -> bool:
 
 def release_freed_memory() -> None:
     """Returns the heap's free memory to the system now (glibc's `malloc_trim`; nothing elsewhere)."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once (`find_library` runs a program to find it)."""
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
