@@ -123,13 +123,17 @@ def test_a_body_the_api_would_refuse_is_that_lines_error_as_the_online_route_giv
               "wrong-type": {"messages": [{"role": "user", "content": "x"}], "max_tokens": "4"},
               "no-messages": {"messages": []},
               "other-model": {"model": "not-served", "messages": [{"role": "user", "content": "x"}]},
-              "too-long": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100_000}}
+              "too-long": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100_000},
+              "hidden-states": {"messages": [{"role": "user", "content": "x"}], "return_hidden_states": True}}
     lines = [{"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
              for cid, body in bodies.items()]
-    lines += [chat_line("streamed", "x", stream=True), chat_line("fine", "x")]
+    # SGLang's fields at their defaults, as the field's routers send them, are accepted here too.
+    sglang_defaults = {"no_stop_trim": False, "separate_reasoning": True, "return_hidden_states": False}
+    lines += [chat_line("streamed", "x", stream=True), chat_line("fine", "x"),
+              chat_line("sglang-defaults", "x", **sglang_defaults)]
     done = wait_for(api, submit(api, jsonl(lines)).id)
     assert done.status == "completed", done
-    assert (done.request_counts.completed, done.request_counts.failed) == (1, 6)
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 7)
     answers = outputs(api, done)
     for cid, body in bodies.items():
         online = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60,
@@ -139,7 +143,8 @@ def test_a_body_the_api_would_refuse_is_that_lines_error_as_the_online_route_giv
         assert (response["status_code"], response["body"]) == (online.status_code, online.json()), cid
     assert answers["streamed"]["response"]["body"]["error"]["param"] == "stream"
     error_file = api.files.content(done.error_file_id).text
-    assert "fine" not in [json.loads(line)["custom_id"] for line in error_file.splitlines()]
+    failed = [json.loads(line)["custom_id"] for line in error_file.splitlines()]
+    assert "fine" not in failed and "sglang-defaults" not in failed
 
 
 def test_bad_requests_to_the_routes_are_refused(api, server):

@@ -75,13 +75,19 @@ HONOURED = {
     "prompt_cache_key": "test_no_op_values_are_accepted",
     "metadata": "test_no_op_values_are_accepted",
     "parallel_tool_calls": "test_no_op_values_are_accepted",
+    "no_stop_trim": "test_include_stop_str_in_output_and_stop_reason",
+    "rid": "test_the_routers_bodies_are_served_as_they_come",
+    "separate_reasoning": "test_the_routers_bodies_are_served_as_they_come",
+    "stream_reasoning": "test_the_routers_bodies_are_served_as_they_come",
+    "include_reasoning": "test_the_routers_bodies_are_served_as_they_come",
 }
 # Fields whose implementation belongs to the structured-outputs and tool-calling work: refused (in
 # UNSUPPORTED) until then, and shown honoured by those tests after.
 THEIR_TESTS = [Path(__file__).parent / name for name in ("test_structured_outputs.py", "test_tool_calls.py")]
 THEIRS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
           "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "logit_bias",
-          "allowed_token_ids", "bad_words", "tools", "tool_choice", "parallel_tool_calls"}
+          "allowed_token_ids", "bad_words", "tools", "tool_choice", "parallel_tool_calls", "json_schema",
+          "regex", "ebnf"}
 # A value of each refused field that asks for what the server does not do.
 REFUSED_VALUES = {
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
@@ -95,8 +101,23 @@ REFUSED_VALUES = {
     "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
     "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "logit_bias": {"1": 100}, "allowed_token_ids": [1],
-    "bad_words": ["cat"],
+    "bad_words": ["cat"], "media_io_kwargs": {"video": {}}, "stop_regex": "a+", "return_hidden_states": True,
+    "return_routed_experts": True, "return_cached_tokens_details": True, "return_prompt_token_ids": True,
+    "return_meta_info": True, "lora_path": "adapter", "session_id": "s", "session_params": {"id": "s"},
+    "custom_logit_processor": "x", "custom_params": {"a": 1}, "images_config": {"a": 1},
+    "max_dynamic_patch": 4, "min_dynamic_patch": 1, "use_audio_in_video": True, "input_ids": [1, 2],
+    "task": "title", "extra_key": "k", "ngram_corpus_id": "c", "custom_labels": {"team": "a"},
+    "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7, "disagg_prefill_dp_rank": 1,
+    "routed_dp_rank": 1, "data_parallel_rank": 1,
 }
+# The bodies the field's routers forward, as they rebuild them (observed: vllm-router 0.1.17, sglang-router
+# 0.3.2), beyond what the client sent.
+ROUTER_CHAT_FIELDS = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+                      "continue_final_message": False, "skip_special_tokens": True,
+                      "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+                      "include_reasoning": True}
+ROUTER_COMPLETION_FIELDS = {"echo": False, "no_stop_trim": False, "ignore_eos": False,
+                            "skip_special_tokens": True, "return_hidden_states": False}
 
 
 @pytest.fixture(scope="module")
@@ -228,9 +249,10 @@ def test_include_stop_str_in_output_and_stop_reason(client):
     stop = text[4:7]
     cut = text.index(stop)
     for stream in (False, True):
-        for include in (False, True):
+        for include, field in ((False, "include_stop_str_in_output"), (True, "include_stop_str_in_output"),
+                               (True, "no_stop_trim")):  # SGLang's name for it
             body = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
-                        extra_body={**LONG, "include_stop_str_in_output": include})
+                        extra_body={**LONG, field: include})
             if stream:
                 chunks = list(client.completions.create(stream=True, **body))
                 got = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -240,6 +262,26 @@ def test_include_stop_str_in_output_and_stop_reason(client):
                 got, reason = choice.text, choice.stop_reason
             assert got == text[:cut + (len(stop) if include else 0)], (stream, include)
             assert reason == stop
+
+
+def test_the_routers_bodies_are_served_as_they_come(client, server):
+    """What vllm-router and sglang-router add is accepted and changes nothing; SGLang's `rid` names the
+    request; the one data-parallel rank may be asked for; the reasoning switches have nothing to switch."""
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    for reasoning in (True, False):
+        routed = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+            extra_body={**ROUTER_CHAT_FIELDS, "separate_reasoning": reasoning, "stream_reasoning": reasoning,
+                        "include_reasoning": reasoning, "routed_dp_rank": 0, "data_parallel_rank": 0})
+        assert routed.choices[0].message.content == plain.choices[0].message.content
+        assert getattr(routed.choices[0].message, "reasoning_content", None) is None
+    text = _greedy(client, PROMPT, 6).choices[0].text
+    routed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                       extra_body={**LONG, **ROUTER_COMPLETION_FIELDS, "rid": "from-sglang"})
+    assert routed.choices[0].text == text and routed.id == "cmpl-from-sglang"
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                   json={"prompt": PROMPT, "max_tokens": 2, "rid": "a", "request_id": "b"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
 
 
 def _with_a_special_token(client) -> tuple[int, str]:

@@ -1,6 +1,7 @@
 """Structured outputs and token constraints through the official `openai` client against a real server of
 the default model (SmolLM2-135M-Instruct): response_format (json_schema, json_object, text), vLLM's
-structured_outputs and guided_json / guided_regex / guided_choice / guided_grammar, n > 1 and streaming,
+structured_outputs and guided_json / guided_regex / guided_choice / guided_grammar (and SGLang's json_schema /
+regex / ebnf), n > 1 and streaming,
 logit_bias, allowed_token_ids and bad_words, and the 400 naming the field of each refusal."""
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def test_json_object_and_text(client):
 
 def test_regex_and_choice_on_both_endpoints(client):
     pattern = r"[0-9]{3}-[0-9]{4}"
-    for body in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}):
+    for body in ({"guided_regex": pattern}, {"structured_outputs": {"regex": pattern}}, {"regex": pattern}):
         r = client.completions.create(model="default", prompt="Call me at", temperature=1.0, seed=5, n=4,
                                       max_tokens=20, extra_body=body)
         assert all(re.fullmatch(pattern, c.text) and c.finish_reason == "stop" for c in r.choices), r.choices
@@ -129,14 +130,16 @@ def test_regex_and_choice_on_both_endpoints(client):
                                            extra_body=body)
         assert {c.message.content for c in r.choices} <= set(choices)
     grammar = 'root ::= "yes" | "no"'
-    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Yes or no?"}],
-                                       max_tokens=5, temperature=1.0, seed=1, n=4,
-                                       extra_body={"guided_grammar": grammar,
-                                                   "guided_decoding_backend": "auto"})
-    assert {c.message.content for c in r.choices} <= {"yes", "no"}
-    r = client.completions.create(model="default", prompt="Data:", max_tokens=120, temperature=1.0, seed=2,
-                                  extra_body={"guided_json": SCHEMA})
-    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    yes_or_no = [{"role": "user", "content": "Yes or no?"}]
+    for body in ({"guided_grammar": grammar, "guided_decoding_backend": "auto"}, {"ebnf": grammar}):
+        r = client.chat.completions.create(model="default", messages=yes_or_no, max_tokens=5,
+                                           temperature=1.0, seed=1, n=4, extra_body=body)
+        assert {c.message.content for c in r.choices} <= {"yes", "no"}
+    # SGLang's json_schema is the schema as JSON text.
+    for body in ({"guided_json": SCHEMA}, {"json_schema": json.dumps(SCHEMA)}):
+        r = client.completions.create(model="default", prompt="Data:", max_tokens=120, temperature=1.0,
+                                      seed=2, extra_body=body)
+        jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
 
 
 def test_constrained_beside_unconstrained_in_one_batch(client):

@@ -1,7 +1,8 @@
 """OpenAI's request and response shapes (chat completions, completions, models, tokenize, errors) as pydantic
 models.
 
-Requests list every field of OpenAI's chat completions and completions APIs and vLLM's extras; each is
+Requests list every field of OpenAI's chat completions and completions APIs and vLLM's and SGLang's extras
+(the field's routers add SGLang's to every body they forward); each is
 honoured, or refused with a 400 naming it when it asks for something this server does not do
 (`request_fields.UNSUPPORTED`; the choice for each field is in docs/api_fields.md). A field that is on
 neither list is refused as OpenAI refuses it ("Unrecognized request argument supplied: X"): a typo or a
@@ -95,6 +96,42 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
+    # SGLang's extras
+    no_stop_trim: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
+    rid: str | None = None
+    return_hidden_states: bool | Literal["last"] = False
+    return_routed_experts: bool = False
+    return_cached_tokens_details: bool = False
+    lora_path: str | list[str | None] | None = None
+    session_id: str | None = None
+    session_params: dict[str, Any] | None = None
+    custom_logit_processor: str | list[str | None] | None = None
+    custom_params: dict[str, Any] | None = None
+    images_config: dict[str, Any] | None = None
+    extra_key: str | list[str] | None = None
+    ngram_corpus_id: str | None = None
+    custom_labels: dict[str, str] | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
+
+    @property
+    def keeps_stop_str(self) -> bool:
+        """vLLM's `include_stop_str_in_output` and SGLang's `no_stop_trim` ask the same."""
+        return self.include_stop_str_in_output or self.no_stop_trim
+
+    @property
+    def named_id(self) -> str | None:
+        """The client's name for the request: vLLM's `request_id` or SGLang's `rid` (`refuse_unsupported`
+        refuses the two when they differ)."""
+        return self.request_id or self.rid
 
     @property
     def include_usage(self) -> bool:
@@ -157,6 +194,18 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    # SGLang's chat extras
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    return_prompt_token_ids: bool = False
+    return_meta_info: bool = False
+    input_ids: list[int] | None = None
+    max_dynamic_patch: int | None = None
+    min_dynamic_patch: int | None = None
+    use_audio_in_video: bool = False
+    task: str | None = None
 
 
 class CompletionRequest(SamplingFields):

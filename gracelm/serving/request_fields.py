@@ -12,7 +12,8 @@ implemented, so that they are refused rather than silently dropped meanwhile.
 
 Fields that constrain tokens (`constraint_fields`), read into `SamplingParams`' terms: OpenAI's
 `response_format` and `logit_bias`, vLLM's `structured_outputs`, `guided_json` / `guided_regex` /
-`guided_choice` / `guided_grammar`, `allowed_token_ids` and `bad_words`. At most one structured-output
+`guided_choice` / `guided_grammar`, `allowed_token_ids` and `bad_words`, SGLang's `json_schema` / `regex` /
+`ebnf`. At most one structured-output
 constraint per request; `constraint_fields` names the field it came from, and the request's route has it
 compiled (`grammar_checker.py`, off this process) before the request is admitted, so that a schema or
 grammar the engine could not follow is a 400 naming its field instead of a failed request later.
@@ -115,6 +116,37 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "kv_transfer_params": Unsupported(_unset, "KV transfer (disaggregated serving) is not supported"),
     "vllm_xargs": Unsupported(_unset, "vllm_xargs is not supported"),
     "prompt_embeds": Unsupported(_unset, "prompt embeddings are not supported"),
+    "media_io_kwargs": Unsupported(_unset, "multimodal inputs are not supported"),
+    # SGLang's (vllm-router and sglang-router add several at their defaults to every body they forward)
+    "stop_regex": Unsupported(_unset, "stop_regex is not supported; use stop"),
+    "return_hidden_states": Unsupported(_one_of(False), "hidden states are not returned"),
+    "return_routed_experts": Unsupported(_one_of(False), "this server serves no mixture-of-experts model"),
+    "return_cached_tokens_details": Unsupported(_one_of(False), "return_cached_tokens_details is not "
+                                                                "supported"),
+    "return_prompt_token_ids": Unsupported(_one_of(False), "return_prompt_token_ids is not supported"),
+    "return_meta_info": Unsupported(_one_of(False), "return_meta_info is not supported"),
+    "lora_path": Unsupported(_unset, "LoRA adapters are not supported"),
+    "session_id": Unsupported(_unset, "sessions are not supported"),
+    "session_params": Unsupported(_unset, "sessions are not supported"),
+    "custom_logit_processor": Unsupported(_unset, "custom logits processors are not supported"),
+    "custom_params": Unsupported(_unset, "custom_params (for custom logits processors) is not supported"),
+    "images_config": Unsupported(_unset, "multimodal inputs are not supported"),
+    "max_dynamic_patch": Unsupported(_unset, "multimodal inputs are not supported"),
+    "min_dynamic_patch": Unsupported(_unset, "multimodal inputs are not supported"),
+    "use_audio_in_video": Unsupported(_one_of(False), "multimodal inputs are not supported"),
+    "input_ids": Unsupported(_unset, "input_ids is not supported; send messages, or a prompt of token ids "
+                                     "to /v1/completions"),
+    "task": Unsupported(_unset, "task (DeepSeek-V4's quick instructions) is not supported"),
+    "extra_key": Unsupported(_unset, "extra_key is not supported"),
+    "ngram_corpus_id": Unsupported(_unset, "n-gram speculation corpora are not supported"),
+    "custom_labels": Unsupported(_unset, "custom metric labels are not supported"),
+    "bootstrap_host": Unsupported(_unset, "prefill-decode disaggregation is not supported"),
+    "bootstrap_port": Unsupported(_unset, "prefill-decode disaggregation is not supported"),
+    "bootstrap_room": Unsupported(_unset, "prefill-decode disaggregation is not supported"),
+    "disagg_prefill_dp_rank": Unsupported(_unset, "prefill-decode disaggregation is not supported"),
+    # One data-parallel rank: 0 is where every request runs anyway.
+    "routed_dp_rank": Unsupported(_one_of(0), "this server has one data-parallel rank, 0"),
+    "data_parallel_rank": Unsupported(_one_of(0), "this server has one data-parallel rank, 0"),
     # Structured outputs: one backend, and JSON's whitespace is always compact (`constraint_fields`).
     "guided_decoding_backend": Unsupported(_one_of("auto", "guidance", "llguidance"),
                                            "the only structured-output backend is llguidance"),
@@ -141,6 +173,10 @@ def refuse_unsupported(req: BaseModel) -> None:
                        param="stream_options.include_obfuscation", code="unsupported_parameter")
     for index, message in enumerate(getattr(req, "messages", None) or []):
         _refuse(message, UNSUPPORTED_IN_MESSAGES, f"messages.{index}.")
+    named, rid = getattr(req, "request_id", None), getattr(req, "rid", None)
+    if named is not None and rid is not None and named != rid:
+        raise APIError(400, f"rid ({rid!r}) and request_id ({named!r}) name the request twice, "
+                            f"differently; send one", param="rid", code="invalid_value")
 
 
 def _refuse(model: BaseModel, table: dict[str, Unsupported], prefix: str) -> None:
@@ -195,14 +231,17 @@ def constraint_fields(req: SamplingFields, vocab_size: int) -> tuple[dict[str, A
 
 
 def _structured_outputs(req: SamplingFields) -> tuple[str | None, StructuredOutputs | None]:
-    guided_json, regex, grammar = req.guided_json, req.guided_regex, req.guided_grammar
+    json_schema, regex, grammar = StructuredOutputs.of_json_schema, _regex, _grammar
     found = [(name, c) for name, c in (
         ("response_format", _response_format(req.response_format)),
         ("structured_outputs", _vllm_structured_outputs(req.structured_outputs)),
-        ("guided_json", None if guided_json is None else StructuredOutputs.of_json_schema(guided_json)),
-        ("guided_regex", None if regex is None else StructuredOutputs(regex=regex)),
+        ("guided_json", _given(req.guided_json, json_schema)),
+        ("guided_regex", _given(req.guided_regex, regex)),
         ("guided_choice", _choice(req.guided_choice, "guided_choice")),
-        ("guided_grammar", None if grammar is None else StructuredOutputs(grammar=grammar)),
+        ("guided_grammar", _given(req.guided_grammar, grammar)),
+        ("json_schema", _given(req.json_schema, json_schema)),
+        ("regex", _given(req.regex, regex)),
+        ("ebnf", _given(req.ebnf, grammar)),
     ) if c is not None]
     if not found:
         return None, None
@@ -213,6 +252,18 @@ def _structured_outputs(req: SamplingFields) -> tuple[str | None, StructuredOutp
     if req.min_tokens:  # a grammar complete before N tokens would leave no token allowed at all
         raise _bad("min_tokens", f"min_tokens is not supported together with {name}")
     return name, constraint
+
+
+def _given(value: Any, make: Callable[[Any], StructuredOutputs]) -> StructuredOutputs | None:
+    return None if value is None else make(value)
+
+
+def _regex(pattern: str) -> StructuredOutputs:
+    return StructuredOutputs(regex=pattern)
+
+
+def _grammar(text: str) -> StructuredOutputs:
+    return StructuredOutputs(grammar=text)
 
 
 def _response_format(value: dict[str, Any] | None) -> StructuredOutputs | None:

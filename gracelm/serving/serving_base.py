@@ -89,7 +89,7 @@ class ServingBase:
                       ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
                       logprobs=logprobs, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                       min_p=req.min_p, repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-                      include_stop_str_in_output=req.include_stop_str_in_output,
+                      include_stop_str_in_output=req.keeps_stop_str,
                       skip_special_tokens=req.skip_special_tokens,
                       spaces_between_special_tokens=req.spaces_between_special_tokens)
         # Fields the client left out take the model's generation defaults (--generation-config), if any,

@@ -61,7 +61,7 @@ class ServingChat(ServingBase):
                                                   self.engine.config.max_model_len, tools.tools,
                                                   self.served.template_budget)
         self.check_room(prompt_ids, max_tokens)
-        request_id = client.request_id(req.request_id, "chatcmpl")
+        request_id = client.request_id(req.named_id, "chatcmpl")
         run = await self.start(client, [prompt_ids], params, request_id, "messages",
                                priority=client.priority(req.priority))
         echo = chat_prompt.echo_text(req)

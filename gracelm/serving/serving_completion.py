@@ -49,7 +49,7 @@ class ServingCompletion(ServingBase):
         prompts = self._prompts(req)
         for ids in prompts:
             self.check_room(ids, req.max_tokens)
-        request_id = client.request_id(req.request_id, "cmpl")
+        request_id = client.request_id(req.named_id, "cmpl")
         run = await self.start(client, prompts, params, request_id, "prompt",
                                priority=client.priority(req.priority))
         echoes = [self.engine.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
