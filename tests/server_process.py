@@ -57,13 +57,20 @@ def port_is_free(port: int) -> bool:
     return not listening
 
 
+def _of_another_live_server(entry: str, pid: int) -> bool:
+    """A runtime directory of another server that still runs (one started beside this one): not this
+    server's to have left."""
+    m = re.match(rf"{PREFIX}(\d+)-", entry)
+    return m is not None and int(m.group(1)) != pid and psutil.pid_exists(int(m.group(1)))
+
+
 class ServerProcess:
     """`with ServerProcess(model, "--api-key", "k") as server:` … `server.url`; `stop()` does the checks."""
 
     def __init__(self, model: str | Path | None, *args: str, env: dict[str, str | None] | None = None,
                  startup_timeout: float = 180.0, wait_ready: bool = True,
-                 prefix: tuple[str, ...] = ()) -> None:
-        self.port = free_port()
+                 prefix: tuple[str, ...] = (), port: int | None = None) -> None:
+        self.port = port or free_port()  # a given port: a restart in the place of an earlier server
         self.url = f"http://127.0.0.1:{self.port}"
         self._temp_before = set(temp_entries())
         self._log = tempfile.NamedTemporaryFile(prefix=LOG_PREFIX, suffix=".log", delete=False)
@@ -145,7 +152,8 @@ class ServerProcess:
         assert not left, f"runtime directories left behind: {left}"
         segments = list(Path("/dev/shm").glob(f"{PREFIX}{self.pid}-*"))
         assert not segments, f"shared-memory segments left behind: {segments}"
-        new = [entry for entry in temp_entries() if entry not in self._temp_before]
+        new = [entry for entry in temp_entries()
+               if entry not in self._temp_before and not _of_another_live_server(entry, self.pid)]
         assert not new, f"left behind in TMPDIR: {new}"
 
     def kill(self) -> None:

@@ -1,6 +1,7 @@
 """The `gracelm` command: `gracelm serve ...` (the HTTP server), `gracelm generate ...` (one prompt, streamed
 to stdout), `gracelm run-batch -i IN -o OUT ...` (a batch input file run offline, resumably) and `gracelm
-deploy systemd|kubernetes ...` (a unit or manifests for `serve` with the same options, printed). The
+deploy systemd|kubernetes|router ...` (a unit, manifests or a router's command line for `serve` with the
+same options, printed) and `gracelm fleet ...` (N workers behind a router on this host). The
 engine's options come from `EngineConfig` and the server's from `ServerConfig`, each declared once
 (`gracelm.options`); a bad value is a usage error (exit code 2) before anything starts.
 """
@@ -145,6 +146,19 @@ def run_deploy(args: argparse.Namespace) -> int:
     return ExitCode.CLEAN_STOP
 
 
+def run_fleet(args: argparse.Namespace) -> int:
+    """Runs N workers behind a router until a signal ends them (`gracelm/deploy/fleet.py`)."""
+    from gracelm.deploy.units import fleet
+
+    try:
+        _merge_model_argument(args)
+        workers = fleet(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"gracelm fleet: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    return workers.run()
+
+
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                         help="a Hugging Face model directory or a .gguf file (same as --model)")
@@ -163,6 +177,16 @@ def _add_deploy_parsers(commands: argparse._SubParsersAction) -> None:
         _add_serve_arguments(parser)
         options.add_arguments(parser.add_argument_group(f"{target} deployment"), config)
         parser.set_defaults(handler=run_deploy)
+
+
+def _add_fleet_parser(commands: argparse._SubParsersAction) -> None:
+    from gracelm.deploy.config import FleetConfig
+
+    fleet = commands.add_parser("fleet", help="serve with N local workers behind vllm-router (or "
+                                              "sglang-router); SIGHUP restarts them one by one")
+    _add_serve_arguments(fleet)
+    options.add_arguments(fleet.add_argument_group("fleet"), FleetConfig)
+    fleet.set_defaults(handler=run_fleet)
 
 
 class _SubcommandParser(argparse.ArgumentParser):
@@ -191,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_batch_arguments(batch)
     batch.set_defaults(handler=run_batch)
     _add_deploy_parsers(commands)
+    _add_fleet_parser(commands)
     return parser
 
 
@@ -205,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = argv  # read by `_trailing_model`
-    level = logging.INFO if args.command == "serve" else logging.WARNING
+    level = logging.INFO if args.command in ("serve", "fleet") else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         faults()  # a misspelled test fault refuses the start, before anything loads

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gracelm.options import at_least, option, validate
+from gracelm.options import at_least, in_range, option, validate
 
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 
@@ -41,4 +41,29 @@ class KubernetesConfig(DeployConfig):
     memory: str = option("8Gi", "memory each pod requests and is limited to", check=_quantity)
 
 
-TARGETS = {"systemd": SystemdConfig, "kubernetes": KubernetesConfig}
+@dataclass
+class RouterChoice:
+    router: str = option("vllm", "the router: vllm-router or sglang-router (both from PyPI)",
+                         choices=["vllm", "sglang"])
+    policy: str = option("cache_aware", "how the router picks a worker (the routers' default: cache_aware)",
+                         choices=["cache_aware", "round_robin", "random", "power_of_two"])
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass
+class RouterConfig(RouterChoice):
+    worker_url: list[str] = option([], "URL of a gracelm worker (repeat for each; at least one)")
+    router_host: str = option("127.0.0.1", "address the router binds")
+    router_port: int = option(8080, "port the router binds", check=in_range(1, 65535))
+
+
+@dataclass
+class FleetConfig(RouterChoice):
+    replicas: int = option(2, "gracelm workers behind the router, on --port + 1 and on", check=at_least(1))
+    expected_load_time: float = option(120.0, "seconds a worker's start may take until /ready answers 200",
+                                       check=at_least(1))
+
+
+TARGETS = {"systemd": SystemdConfig, "kubernetes": KubernetesConfig, "router": RouterConfig}
