@@ -6,6 +6,7 @@ the serve command inside each parses back, with the same parser, to the options 
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import yaml
 from gracelm import options
 from gracelm.cli.main import build_parser
 from gracelm.config import EngineConfig
+from gracelm.deploy import router
 from gracelm.lifecycle.supervisor import STOP_MARGIN_S
 from gracelm.serving.server_config import ServerConfig
 
@@ -163,3 +165,63 @@ def test_the_hang_path_off_leaves_systemds_watchdog_alone_in_charge():
 def test_what_cannot_be_deployed_is_a_usage_error_naming_it(args, says):
     result = deploy(*args)
     assert result.returncode == 2 and says in result.stderr and result.stdout == "", result
+
+
+@pytest.mark.parametrize("which", ["vllm", "sglang"])
+def test_a_router_in_front_of_the_pods_and_an_inference_pool_validate_and_follow_the_drain(which):
+    docs = list(yaml.safe_load_all(generated("kubernetes", "/srv/models/m.gguf", "--router", which,
+                                             "--policy", "round_robin", "--inference-pool")))
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding",
+                     "Deployment", "Service", "InferencePool"]
+    for doc in docs[:-1]:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    workers, router_deployment, pool = docs[0], docs[6], docs[8]
+    engine, server = serve_options(workers["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert server.drain_grace_period >= router.removal_time()
+    (container,) = router_deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == router.COMMANDS[which]
+    parsed = _router_args(which, container["args"])
+    pods = workers["spec"]["selector"]["matchLabels"]
+    assert parsed.service_discovery and parsed.selector == pods
+    assert parsed.service_discovery_port == server.port
+    assert (parsed.health_check_endpoint, parsed.policy) == ("/ready", "round_robin")
+    assert (parsed.health_check_interval_secs * parsed.health_failure_threshold
+            + parsed.health_check_timeout_secs) <= server.drain_grace_period
+    assert router_deployment["spec"]["template"]["metadata"]["labels"] != pods  # not a worker itself
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"] == pods
+    assert pool["spec"]["targetPorts"] == [{"number": server.port}]
+    assert pool["spec"]["endpointPickerRef"]["name"] == "gracelm-epp"
+
+
+def _router_args(which: str, args: list[str]):
+    """The arguments as the router itself reads them (its own parser, from its PyPI package)."""
+    if which == "vllm":
+        from vllm_router.launch_router import parse_router_args
+    else:
+        from sglang_router.launch_router import parse_router_args
+    return parse_router_args(args)
+
+
+def test_a_router_script_parses_as_the_router_reads_it():
+    script = generated("router", "/srv/models/m.gguf", "--worker-url", "http://10.0.0.1:8000",
+                       "--worker-url", "http://10.0.0.2:8000", "--router", "sglang")
+    words = shlex.split(script.split("exec ", 1)[1].replace("\\\n", " "))
+    assert words[:2] == router.COMMANDS["sglang"]
+    parsed = _router_args("sglang", words[2:])
+    assert parsed.worker_urls == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    assert parsed.cb_timeout_duration_secs == router.BREAKER_OPEN_S
+    serve = shlex.split(re.search(r"#   gracelm serve (.*)", script).group(1))
+    _, server = serve_options(serve)
+    assert server.drain_grace_period == router.router_grace()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--policy", "random"], "--policy is for the router"),
+    (["--router", "vllm", "--drain-grace-period", "1"], "--drain-grace-period 1 is shorter"),
+])
+def test_router_options_that_cannot_be_honoured_are_refused(args, says):
+    result = deploy("kubernetes", "/srv/models/m.gguf", *args)
+    assert result.returncode == 2 and says in result.stderr, result.stderr
+

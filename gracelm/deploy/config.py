@@ -32,6 +32,12 @@ class SystemdConfig(DeployConfig):
                                                               "target machine")
 
 
+ROUTERS = ["vllm", "sglang"]
+POLICIES = ["cache_aware", "round_robin", "random", "power_of_two"]
+_ROUTER_HELP = "the router: vllm-router or sglang-router (both from PyPI)"
+_POLICY_HELP = "how the router picks a worker (the routers' default: cache_aware)"
+
+
 @dataclass
 class KubernetesConfig(DeployConfig):
     image: str = option("gracelm:latest", "container image with gracelm (on PATH) and the model")
@@ -39,14 +45,18 @@ class KubernetesConfig(DeployConfig):
     cpus: int = option(4, "CPUs each pod requests and is limited to; also its --num-threads unless given",
                        check=at_least(1))
     memory: str = option("8Gi", "memory each pod requests and is limited to", check=_quantity)
+    router: str = option("none", f"{_ROUTER_HELP}, as a Deployment of its own in front of the pods (none: "
+                                 f"the Service alone)", choices=["none", *ROUTERS])
+    policy: str = option("cache_aware", _POLICY_HELP, choices=POLICIES)
+    router_port: int = option(8080, "port of the router's Service", check=in_range(1, 65535))
+    inference_pool: bool = option(False, "a Gateway API Inference Extension InferencePool of the pods, for "
+                                         "its endpoint picker (installed apart, named NAME-epp)")
 
 
 @dataclass
 class RouterChoice:
-    router: str = option("vllm", "the router: vllm-router or sglang-router (both from PyPI)",
-                         choices=["vllm", "sglang"])
-    policy: str = option("cache_aware", "how the router picks a worker (the routers' default: cache_aware)",
-                         choices=["cache_aware", "round_robin", "random", "power_of_two"])
+    router: str = option("vllm", _ROUTER_HELP, choices=ROUTERS)
+    policy: str = option("cache_aware", _POLICY_HELP, choices=POLICIES)
 
     def __post_init__(self) -> None:
         validate(self)

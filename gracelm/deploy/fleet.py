@@ -58,7 +58,7 @@ class Fleet:
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.serve_flags = serve_flags
         self.load_time = load_time
-        words = router.command(which, router.router_flags(host, port, self.urls, policy))
+        words = router.command(which, router.router_flags(host, port, router.listed(self.urls), policy))
         self.router_command = [_executable(words[0]), *words[1:]]
         self.router_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         self.workers: list[subprocess.Popen] = []

@@ -53,11 +53,25 @@ def check_grace(grace_period: float) -> None:
                          f"{math.ceil(router_grace())}")
 
 
-def router_flags(host: str, port: int, worker_urls: list[str], policy: str) -> list[tuple[list[str], str]]:
+def listed(urls: list[str]) -> tuple[list[str], str]:
+    """The workers, by URL."""
+    return ["--worker-urls", *urls], "the gracelm workers"
+
+
+def discovered(labels: dict[str, str], port: int) -> tuple[list[str], str]:
+    """The workers, found as the Kubernetes pods of these labels in the router's own namespace (the
+    variable `POD_NAMESPACE`, which Kubernetes expands in a container's arguments)."""
+    words = ["--service-discovery", "--selector", *(f"{k}={v}" for k, v in labels.items()),
+             "--service-discovery-port", str(port), "--service-discovery-namespace", "$(POD_NAMESPACE)"]
+    return words, "the gracelm pods, by their labels, in this namespace"
+
+
+def router_flags(host: str, port: int, workers: tuple[list[str], str],
+                 policy: str) -> list[tuple[list[str], str]]:
     """The router's arguments, each with why it has its value."""
     return [
         (["--host", host, "--port", str(port)], "where the router listens"),
-        (["--worker-urls", *worker_urls], "the gracelm workers"),
+        workers,
         (["--policy", policy], "how a request picks its worker"),
         (["--health-check-endpoint", HEALTH_ENDPOINT],
          "503 from the first moment of a worker's drain, 200 once it serves"),
@@ -73,8 +87,12 @@ def router_flags(host: str, port: int, worker_urls: list[str], policy: str) -> l
     ]
 
 
+def arguments(flags: list[tuple[list[str], str]]) -> list[str]:
+    return [word for words, _ in flags for word in words]
+
+
 def command(router: str, flags: list[tuple[list[str], str]]) -> list[str]:
-    return [*COMMANDS[router], *(word for words, _ in flags for word in words)]
+    return [*COMMANDS[router], *arguments(flags)]
 
 
 def script(router: str, flags: list[tuple[list[str], str]], header: list[str]) -> str:
