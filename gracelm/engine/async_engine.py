@@ -130,6 +130,11 @@ class AsyncEngine(EngineFrontend):
         """The core's phase timings of the sequences finished after the first `seen` (`RequestTimings`)."""
         return await self._call("request_timings", seen)
 
+    async def reset_prefix_cache(self) -> dict:
+        """Empties the core's prefix cache unless a request is unfinished there:
+        `{"reset": bool, "num_unfinished": N}` (`EngineCore.reset_prefix_cache`)."""
+        return await self._call("reset_prefix_cache")
+
     async def _call(self, method: str, *args) -> dict:
         self._bind_loop()
         self._check_usable()

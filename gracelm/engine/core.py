@@ -161,6 +161,16 @@ class EngineCore:
                 "max_model_len": self.max_model_len, "kernel_paths": self.executor.kernel_paths(),
                 "compiled_steps": self.executor.compiled_steps(), "memory": self.executor.memory_use()}
 
+    def reset_prefix_cache(self) -> dict:
+        """Empties the prefix cache, but only with no request unfinished: a running request's blocks would
+        stay shared until it ends, so the cache would not be empty when the caller is told it is.
+        `{"reset": bool, "num_unfinished": N}`."""
+        unfinished = self.scheduler.num_running + self.scheduler.num_waiting
+        if not unfinished:
+            self.scheduler.kv_cache.reset_prefix_cache()
+            logger.info("prefix cache emptied on request")
+        return {"reset": not unfinished, "num_unfinished": unfinished}
+
     def set_state(self, state: CoreState) -> None:
         if state is not self.state:
             logger.info("engine core state %s -> %s", self.state.value, state.value)
@@ -179,7 +189,8 @@ class EngineCoreProc:
         self.poller = zmq.Poller()
         self.poller.register(input_socket, zmq.POLLIN)
         self._deadline: float | None = None
-        self._utilities = {"stats": core.stats, "request_timings": core.timings.since}
+        self._utilities = {"stats": core.stats, "request_timings": core.timings.since,
+                           "reset_prefix_cache": core.reset_prefix_cache}
         self._steps = 0
 
     def run(self) -> None:

@@ -39,7 +39,8 @@ class AbortRequests(msgspec.Struct, tag=True):
 
 
 class UtilityCall(msgspec.Struct, tag=True):
-    """Calls a read-only method of the core (e.g. "stats") and gets a `UtilityReply` with the same id."""
+    """Calls a method of the core by name (e.g. "stats", "reset_prefix_cache") and gets a `UtilityReply`
+    with the same id."""
 
     call_id: int
     method: str

@@ -273,7 +273,11 @@ class Scheduler:
             # Requests of priority > 0 ("background": batch lines, for instance).
             "num_running_background": sum(1 for request in self.running if request.priority > 0),
             "num_waiting_background": sum(1 for request in self.waiting if request.priority > 0),
+            # What the waiting requests will take in once admitted (SGLang's load counts them).
+            "num_waiting_tokens": sum(request.num_tokens for request in self.waiting),
             "kv_blocks_total": kv.num_total_blocks,
+            "kv_block_size": kv.block_size,
+            "prefix_caching": kv.enable_prefix_caching,
             "kv_blocks_free": kv.num_free_blocks,
             "kv_usage": kv.usage,
             "prefix_cache_hits": kv.prefix_cache_hits,
