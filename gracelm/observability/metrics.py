@@ -75,6 +75,9 @@ METRICS = (
     _gauge("kv_usage", "kv_cache_usage_perc", "Share of KV-cache blocks in use (0..1).", vllm=True),
     _gauge("kv_total", "kv_cache_blocks_total", "KV-cache blocks in the pool."),
     _gauge("kv_free", "kv_cache_blocks_free", "KV-cache blocks free (cached ones included)."),
+    _gauge("cache_config", "cache_config_info", "The KV cache's configuration, in the labels (value 1; "
+           "cache_dtype auto: the model's dtype).",
+           ("block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks"), vllm=True),
     _gauge("prefix_hit_rate", "prefix_cache_hit_rate", "Prefix-cache hits over queries since start (0..1)."),
     _gauge("kv_restored", "kv_restored_blocks", "Prefix-cache blocks restored from --kv-cache-dir at start."),
     _gauge("kv_restored_hits", "kv_restored_block_hits",
@@ -196,6 +199,10 @@ class ServerMetrics:
         self.kv_usage.labels(**self._label).set(stats["kv_usage"])
         self.kv_total.labels(**self._label).set(stats["kv_blocks_total"])
         self.kv_free.labels(**self._label).set(stats["kv_blocks_free"])
+        # vLLM writes its info gauges' label values with str(): True, False.
+        self.cache_config.labels(**self._label, block_size=str(stats["kv_block_size"]), cache_dtype="auto",
+                                 enable_prefix_caching=str(stats["prefix_caching"]),
+                                 num_gpu_blocks=str(stats["kv_blocks_total"])).set(1)
         self.set_core_state(stats.get("state"))
         self.set_kernel_paths(stats.get("kernel_paths", {}))
         for part, size in stats.get("memory", {}).items():

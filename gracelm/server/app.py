@@ -1,8 +1,9 @@
 """The FastAPI app of `gracelm serve`, put together from one router per group of routes: the operator's
-(`ops_routes.py`), the OpenAI-compatible ones (`openai_routes.py`), the Batch API's (`batch_routes.py`) and
-the status page (`status_page.py`), behind the middleware that guards every request. Its lifespan turns the
-server RUNNING, starts the background tasks (the stats logger, the batch runner) and reports the start-up
-timeline (`startup_timeline`): one log line and the `gracelm_startup_phase_seconds` gauges.
+(`ops_routes.py`), the OpenAI-compatible ones (`openai_routes.py`), the Batch API's (`batch_routes.py`), those
+the field's routers call on their workers (`worker_routes.py`) and the status page (`status_page.py`), behind
+the middleware that guards every request. Its lifespan turns the server RUNNING, starts the background tasks
+(the stats logger, the batch runner) and reports the start-up timeline (`startup_timeline`): one log line and
+the `gracelm_startup_phase_seconds` gauges.
 
 Imported while the engine core loads (`api_server._serve`), since FastAPI, pydantic and uvicorn take about a
 second to import.
@@ -34,6 +35,7 @@ from gracelm.server.openai_routes import openai_router, tokens_router
 from gracelm.server.openapi_docs import install_openapi
 from gracelm.server.ops_routes import metrics_router, package_version, probe_router
 from gracelm.server.status_page import status_router
+from gracelm.server.worker_routes import worker_routers
 from gracelm.serving.api_errors import install_error_handlers
 from gracelm.serving.grammar_checker import GrammarChecker
 from gracelm.serving.request_client import ID_HEADER, RequestIdHeader
@@ -73,6 +75,8 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     v1.include_router(batch_router(journal, runner))
     app.include_router(v1)
     app.include_router(tokens_router(engine, served, chat, auth))
+    for router in worker_routers(engine, state, served, chat, completion, auth):
+        app.include_router(router)
     app.include_router(status_router(engine, settings, state, metrics, served.model_name, progress))
     return app
 

@@ -19,7 +19,7 @@ from gracelm.serving.request_fields import parse_body
 from gracelm.serving.serving_chat import ServingChat
 from gracelm.serving.serving_completion import ServingCompletion
 
-# Errors that say the request was stopped, not answered (`serving_base.aborted_error`, `_engine_dead`).
+# Errors that say the request was stopped, not answered (`serving_base.aborted_error`, `engine_dead_error`).
 _STOPPED = ("request_aborted", "engine_dead")
 
 

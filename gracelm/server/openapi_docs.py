@@ -10,7 +10,7 @@ import copy
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, RootModel
 from pydantic.json_schema import JsonSchemaMode
 
 from gracelm.serving.openai_protocol import ErrorResponse
@@ -26,7 +26,8 @@ _ERRORS: dict[int, str] = {
     403: "A browser's request from another site than `--allowed-origins` (`Origin`, `Sec-Fetch-Site`).",
     404: "The `model` asked for is not the one served; the file or batch named does not exist; or (files and "
          "batches) the server keeps no state directory (`--state-dir`).",
-    409: "The batch is at its end, or finalizing, and cannot be cancelled.",
+    409: "The batch is at its end, or finalizing, and cannot be cancelled; or (`/flush_cache`) requests are "
+         "running or waiting, whose blocks the cache would keep.",
     413: "The request body exceeds `--max-request-body-bytes` (a file upload: `--max-upload-bytes`).",
     415: "The body is not declared as JSON (`Content-Type`).",
     500: "A bug (a generic message and an error id; the details are in the server's log), or the engine "
@@ -52,6 +53,75 @@ class Readiness(BaseModel):
 
 class VersionInfo(BaseModel):
     version: str
+
+
+class ServerInfo(BaseModel):
+    """SGLang's `/server_info` (its server arguments and scheduler figures), with the fields sglang-router
+    reads and vllm-router's `kv_block_size`."""
+
+    model_path: str
+    tokenizer_path: str
+    served_model_name: str
+    is_generation: bool
+    architectures: list[str]
+    tp_size: int
+    dp_size: int
+    nnodes: int
+    page_size: int  # tokens per KV-cache block
+    kv_block_size: int  # the same, under vllm-router's name
+    context_length: int
+    max_total_num_tokens: int  # the KV cache's size in tokens (SGLang's scheduler figure)
+    max_total_tokens: int  # the same, under SGLang's option's name
+    max_running_requests: int
+    max_prefill_tokens: int
+    chunked_prefill_size: int
+    disable_radix_cache: bool
+    dtype: str
+    kv_cache_dtype: str
+    random_seed: int
+    disaggregation_mode: str
+    version: str
+
+
+class ModelInfo(BaseModel):
+    """SGLang's `/model_info`."""
+
+    model_path: str
+    tokenizer_path: str
+    is_generation: bool
+    architectures: list[str]
+    preferred_sampling_params: str | None = None
+    weight_version: str
+    has_image_understanding: bool
+    has_audio_understanding: bool
+
+
+class RankLoad(BaseModel):
+    """SGLang's `/get_load` entry of one data-parallel rank: requests running or waiting, and tokens (those
+    the KV cache holds for them, and the waiting requests' own)."""
+
+    dp_rank: int
+    num_reqs: int
+    num_waiting_reqs: int
+    num_tokens: int
+
+
+class RankLoads(RootModel[list[RankLoad]]):
+    """SGLang's `/get_load` answer: an entry per data-parallel rank (one here)."""
+
+
+class ServerLoad(BaseModel):
+    """vLLM's `/load`: the requests the server is handling, admitted and not yet answered."""
+
+    server_load: int
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's `/tokenizer_info`: the tokenizer as its `tokenizer_config.json` would describe it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, RootModel, SerializerFunctionWrapHandler, model_serializer
 
 from gracelm.engine.frontend import MAX_PRIORITY, MIN_PRIORITY
 
@@ -240,6 +240,25 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     token_strs: list[str] | None = None
+
+
+class RenderedRequest(BaseModel):
+    """vLLM's render answer (its `GenerateRequest`): a request as the engine would run it, token ids in."""
+
+    request_id: str
+    token_ids: list[int]
+    features: None = None  # multimodal placeholders: prompts here are text only
+    sampling_params: dict[str, Any]
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class RenderedRequests(RootModel[list[RenderedRequest]]):
+    """The completions render answer: one rendered request per prompt."""
 
 
 class DetokenizeRequest(BaseModel):

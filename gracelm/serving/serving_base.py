@@ -144,7 +144,7 @@ class ServingBase:
             logger.info("request %s: %s prompt tokens, %s%s", request_id,
                         "+".join(str(len(p)) for p in prompts), _params_summary(params),
                         f", priority {priority}" if priority else "")
-        engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        engine_ids = prompt_ids_named(request_id, len(prompts))
         streams = []
         try:
             for engine_id, ids in zip(engine_ids, prompts, strict=True):
@@ -155,11 +155,9 @@ class ServingBase:
             for engine_id in engine_ids[:len(streams)]:
                 await self.engine.abort(engine_id)
             if isinstance(exc, PromptError):
-                code = "context_length_exceeded" if exc.too_long else "invalid_prompt"
-                param = prompt_param if len(prompts) == 1 else f"{prompt_param}.{len(streams)}"
-                raise APIError(400, str(exc), param=param, code=code) from None
+                raise prompt_error(exc, prompt_param, len(streams), len(prompts)) from None
             if isinstance(exc, EngineDeadError):
-                raise _engine_dead(exc) from None
+                raise engine_dead_error(exc) from None
             if isinstance(exc, ValueError):  # the id is in use by a request in flight
                 raise APIError(400, f"{exc}; send another X-Request-Id or request_id", param="request_id",
                                code="invalid_value") from None
@@ -179,7 +177,7 @@ class ServingBase:
                     finish_reasons.update((o.index, o.finish_reason) for o in delta.outputs)
                     yield delta
         except EngineDeadError as exc:
-            raise _engine_dead(exc) from None
+            raise engine_dead_error(exc) from None
         finally:
             if finish_reasons:  # a request that never produced anything is not counted
                 tracker.on_finish(list(finish_reasons.values()))
@@ -370,7 +368,22 @@ def failed_error(request_id: str) -> APIError:
                          f"under its id", code="request_failed")
 
 
-def _engine_dead(exc: EngineDeadError) -> APIError:
+def prompt_ids_named(request_id: str, num_prompts: int) -> list[str]:
+    """The engine's id of each prompt of a request: the request's own, or one each for a batch of
+    completions prompts (`prompt_batch.py`)."""
+    return [request_id] if num_prompts == 1 else [f"{request_id}-{i}" for i in range(num_prompts)]
+
+
+def prompt_error(exc: PromptError, prompt_param: str, index: int, num_prompts: int) -> APIError:
+    """The 400 of a prompt the engine's check refused (`check_prompt`), naming its field, and its place when
+    the request has several."""
+    code = "context_length_exceeded" if exc.too_long else "invalid_prompt"
+    param = prompt_param if num_prompts == 1 else f"{prompt_param}.{index}"
+    return APIError(400, str(exc), param=param, code=code)
+
+
+def engine_dead_error(exc: EngineDeadError) -> APIError:
+    """What a request gets when the engine died before it could be answered."""
     return APIError(500, f"the engine is dead: {exc}", code="engine_dead")
 
 

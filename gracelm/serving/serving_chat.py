@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -10,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from gracelm.engine.output_processor import CompletionOutput, RequestOutput
+from gracelm.sampling_params import SamplingParams
 from gracelm.serving import chat_prompt, tool_calls, tool_parsers
 from gracelm.serving.api_errors import APIError
 from gracelm.serving.openai_protocol import (
@@ -38,29 +40,23 @@ from gracelm.serving.tool_calls import StreamedChoice, ToolPlan, final_message
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class ChatPlan:
+    """A chat request as it would run: its prompt after the chat template, its sampling, its tools, and the
+    top-N logprobs its answer shows (None: no logprobs)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolPlan
+    top: int | None
+
+
 class ServingChat(ServingBase):
     async def create(self, req: ChatCompletionRequest,
                      client: RequestClient) -> ChatCompletionResponse | StreamingResponse:
         """The answer to `req` from `client`: whole, or with `stream` an SSE response; raises `APIError`."""
-        self.check_model(req.model)
-        refuse_unsupported(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        self.check_logprobs(req.top_logprobs, "top_logprobs")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        params = await self.sampling_params(req, max_tokens=max_tokens, logprobs=top)
-        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
-        params = self.with_prompt_logprobs(params, req.stream, req.prompt_logprobs)
-        tools = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._tool_parser)
-        params = tool_calls.constrained(params, tools)
-        if tools.schema is not None:
-            await self.grammars.check(params.structured_outputs, "tools", params.allowed_token_ids)
-        assert self.engine.config.max_model_len is not None
-        prompt_ids = await chat_prompt.prompt_ids(self.engine.tokenizer, req,
-                                                  self.engine.config.max_model_len, tools.tools,
-                                                  self.served.template_budget)
-        self.check_room(prompt_ids, max_tokens)
+        plan = await self.plan(req)
+        prompt_ids, params, tools, top = plan.prompt_ids, plan.params, plan.tools, plan.top
         request_id = client.request_id(req.named_id, "chatcmpl")
         run = await self.start(client, [prompt_ids], params, request_id, "messages",
                                priority=client.priority(req.priority))
@@ -83,6 +79,30 @@ class ServingChat(ServingBase):
         scored = self.vllm_prompt_logprobs(prompt_ids, final.outputs[0].prompt_logprobs, req.prompt_logprobs)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
                                       service_tier=tier, prompt_logprobs=scored)
+
+    async def plan(self, req: ChatCompletionRequest) -> ChatPlan:
+        """`req` checked (a field refused, a value out of range, no room for `max_tokens`: `APIError`) and
+        turned into what the engine runs; the render route answers this without running it."""
+        self.check_model(req.model)
+        refuse_unsupported(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = await self.sampling_params(req, max_tokens=max_tokens, logprobs=top)
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        params = self.with_prompt_logprobs(params, req.stream, req.prompt_logprobs)
+        tools = tool_calls.plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._tool_parser)
+        params = tool_calls.constrained(params, tools)
+        if tools.schema is not None:
+            await self.grammars.check(params.structured_outputs, "tools", params.allowed_token_ids)
+        assert self.engine.config.max_model_len is not None
+        prompt_ids = await chat_prompt.prompt_ids(self.engine.tokenizer, req,
+                                                  self.engine.config.max_model_len, tools.tools,
+                                                  self.served.template_budget)
+        self.check_room(prompt_ids, max_tokens)
+        return ChatPlan(prompt_ids, params, tools, top)
 
     async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
                       n: int, top: int | None, req: ChatCompletionRequest, echo: str,

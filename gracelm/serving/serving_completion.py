@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from fastapi.responses import StreamingResponse
 
 from gracelm.engine.output_processor import CompletionOutput, Logprob, RequestOutput
+from gracelm.sampling_params import SamplingParams
 from gracelm.serving.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -33,22 +34,22 @@ from gracelm.serving.serving_base import (
 )
 
 
+@dataclasses.dataclass
+class CompletionPlan:
+    """A completions request as it would run: each prompt's token ids and the sampling they share;
+    `score_only`: the prompts are scored and the one token generated is left out of the answer."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    score_only: bool
+
+
 class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest,
                      client: RequestClient) -> CompletionResponse | StreamingResponse:
         """The answer to `req` from `client`: whole, or with `stream` an SSE response; raises `APIError`."""
-        self.check_model(req.model)
-        refuse_unsupported(req)
-        self.check_logprobs(req.logprobs, "logprobs")
-        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
-        score_only = req.echo and req.max_tokens == 0
-        params = await self.sampling_params(req, max_tokens=1 if score_only else req.max_tokens,
-                                      logprobs=req.logprobs)
-        params = self.with_prompt_logprobs(params, req.stream, req.prompt_logprobs,
-                                      req.logprobs if req.echo else None)
-        prompts = self._prompts(req)
-        for ids in prompts:
-            self.check_room(ids, req.max_tokens)
+        plan = await self.plan(req)
+        prompts, params = plan.prompts, plan.params
         request_id = client.request_id(req.named_id, "cmpl")
         run = await self.start(client, prompts, params, request_id, "prompt",
                                priority=client.priority(req.priority))
@@ -59,7 +60,7 @@ class ServingCompletion(ServingBase):
             events = self._stream(request_id, run.deltas, num_prompt_tokens, params.n, req, echoes, prompts)
             return self.sse(events, run)
         final = await self.final_output(client, run)
-        if score_only:
+        if plan.score_only:
             final.outputs = [_prompt_only(o) for o in final.outputs]
         choices = []
         for o in final.outputs:
@@ -70,6 +71,23 @@ class ServingCompletion(ServingBase):
                 prompt_logprobs=self.vllm_prompt_logprobs(prompt, o.prompt_logprobs, req.prompt_logprobs)))
         usage = final_usage(num_prompt_tokens, final)
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+    async def plan(self, req: CompletionRequest) -> CompletionPlan:
+        """`req` checked (a field refused, a value out of range, no room for `max_tokens`: `APIError`) and
+        turned into what the engine runs; the render route answers this without running it."""
+        self.check_model(req.model)
+        refuse_unsupported(req)
+        self.check_logprobs(req.logprobs, "logprobs")
+        self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        score_only = req.echo and req.max_tokens == 0
+        params = await self.sampling_params(req, max_tokens=1 if score_only else req.max_tokens,
+                                            logprobs=req.logprobs)
+        params = self.with_prompt_logprobs(params, req.stream, req.prompt_logprobs,
+                                           req.logprobs if req.echo else None)
+        prompts = self._prompts(req)
+        for ids in prompts:
+            self.check_room(ids, req.max_tokens)
+        return CompletionPlan(prompts, params, score_only)
 
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         """Each prompt as token ids (a text is encoded with the tokenizer's special tokens unless

@@ -1,7 +1,10 @@
 """vLLM's `POST /tokenize` and `POST /detokenize`: a prompt (or chat messages, through the chat template as
-`/v1/chat/completions` renders them) to token ids, and token ids back to text."""
+`/v1/chat/completions` renders them) to token ids, and token ids back to text; and `GET /tokenizer_info`,
+the tokenizer as its `tokenizer_config.json` would describe it."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pydantic
 
@@ -16,6 +19,12 @@ from gracelm.serving.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+
+# The server holds a fast tokenizer's serialization only (`model/tokenizer.py`), not the class transformers
+# built it as: the class that serialization loads as.
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+# An added token's entry in `added_tokens_decoder`, as transformers writes it.
+_ADDED_TOKEN_KEYS = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
 
 
 async def tokenize(engine: AsyncEngine, req: TokenizeRequest, budget: TemplateBudget | None
@@ -49,3 +58,14 @@ def detokenize(engine: AsyncEngine, req: DetokenizeRequest) -> DetokenizeRespons
         raise APIError(400, f"token id {bad} is not in [0, {vocab_size})", param="tokens",
                        code="invalid_value")
     return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+
+
+def tokenizer_info(engine: AsyncEngine) -> dict[str, Any]:
+    """vLLM's `tokenizer_info`: `tokenizer_config.json`'s keys for the tokenizer this server encodes with,
+    its context being the server's `max_model_len`."""
+    tokenizer = engine.tokenizer
+    added = {str(token_id): {key: getattr(token, key) for key in _ADDED_TOKEN_KEYS}
+             for token_id, token in sorted(tokenizer.backend.get_added_tokens_decoder().items())}
+    return {"tokenizer_class": TOKENIZER_CLASS, **tokenizer.special_tokens,
+            "chat_template": tokenizer.chat_template, "model_max_length": engine.config.max_model_len,
+            "added_tokens_decoder": added}
