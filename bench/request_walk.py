@@ -29,6 +29,7 @@ from gracelm.lifecycle.server_state import Lifecycle, ServerState  # noqa: E402
 from gracelm.model.model_files import resolve_model_path  # noqa: E402
 from gracelm.observability.metrics import ServerMetrics  # noqa: E402
 from gracelm.server.app import build_app  # noqa: E402
+from gracelm.serving.admission_control import max_in_flight  # noqa: E402
 from gracelm.serving.server_config import ServerConfig  # noqa: E402
 from gracelm.serving.serving_options import serving_options  # noqa: E402
 from tests.tiny_models import tiny_model  # noqa: E402
@@ -64,7 +65,7 @@ async def walk(model: str, stream: bool) -> CallRecorder:
     settings = ServerConfig()
     ledger = Ledger()
     engine = AsyncEngine.from_config(config, ledger=ledger)
-    state = ServerState(settings.max_waiting_requests)
+    state = ServerState(max_in_flight(settings.max_num_queued_reqs, engine), settings.max_queue_wait)
     served = serving_options(settings, engine.model_name, resolve_model_path(model))
     recorder = CallRecorder()
     with tempfile.TemporaryDirectory() as directory:

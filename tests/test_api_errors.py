@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.server_process import GRACELM, ServerProcess, metric_value
+from tests.server_process import GRACELM, ServerProcess
 from tests.tiny_models import make_tiny_model
 
 BODY_LIMIT = 4096
@@ -21,10 +20,10 @@ USER = [{"role": "user", "content": "hello"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
-    # One sequence at a time and one waiting request at most, so a full queue can be made on purpose;
-    # slowed steps (10 ms) keep a long request running while the queue fills, however loaded the machine.
+    # One sequence at a time; slowed steps (10 ms) keep a long request running while a test loads the server,
+    # however loaded the machine.
     with ServerProcess(model, "--served-model-name", "tiny", "--max-num-seqs", "1",
-                       "--max-waiting-requests", "1", "--max-request-body-bytes", str(BODY_LIMIT),
+                       "--max-request-body-bytes", str(BODY_LIMIT),
                        "--stats-interval", "0", "--kv-cache-memory", "16MiB",
                        env={"GRACELM_TEST_HOOKS": '{"test_step_sleep_s": 0.01}'}) as server:
         yield server
@@ -255,36 +254,6 @@ def test_openai_client_gets_bad_request(server):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=USER, temperature=9)
     assert info.value.body["param"] == "temperature"
-
-
-def test_full_waiting_queue_answers_503(server):
-    long = {"prompt": "once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as running:
-        lines = running.iter_lines()  # kept referenced: a collected iterator would close the connection
-        assert any(line.startswith("data: ") for line in lines)
-        # The engine runs one sequence at a time: the next request waits, and fills the queue of one.
-        queued: dict[str, httpx.Response] = {}
-        waiter = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
-            f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=120)))
-        waiter.start()
-        _wait_for_waiting(server, 1)
-        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4},
-                             timeout=60)
-        _error(refused, 503, code="queue_full")
-        assert refused.headers["retry-after"]
-    # The long stream's client is gone: its request is aborted and the waiting one runs.
-    waiter.join(120)
-    assert queued["r"].status_code == 200
-
-
-def _wait_for_waiting(server, count: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{server.url}/metrics").text
-        if metric_value(text, "gracelm_num_requests_waiting", model_name="tiny") == count:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"never saw {count} waiting request(s):\n{text}")
 
 
 def _serve_exit(*args: str) -> subprocess.CompletedProcess:

@@ -114,7 +114,7 @@ def _run_engine(config: EngineConfig, journal: Journal, batch_id: str) -> int:
 
 async def _run(engine: AsyncEngine, journal: Journal, batch_id: str) -> int:
     """Runs the batch to its end, or until Ctrl-C or the engine's end; the exit code."""
-    state = ServerState(None)
+    state = ServerState()
     state.set(Lifecycle.RUNNING)
     settings = ServerConfig()
     served = serving_options(settings, engine.model_name, resolve_model_path(engine.config.model))

@@ -310,7 +310,7 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
                    lambda: executor_reports.append(core.executor.shutdown()), timeout=30)
     output_socket.send(msg.encode(msg.Ready(core.max_model_len, core.model_name,
                                             dataclasses.asdict(core.model_config), core.tokenizer.to_dict(),
-                                            _startup_marks())))
+                                            core.scheduler.kv_cache.num_total_blocks, _startup_marks())))
     proc = EngineCoreProc(core, input_socket, output_socket, heartbeat)
     freeze_startup_objects()
     try:

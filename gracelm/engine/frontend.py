@@ -97,6 +97,7 @@ class EngineFrontend:
         self.model_config = ModelConfig(**{**ready.model_config,
                                            "eos_token_ids": tuple(ready.model_config["eos_token_ids"])})
         self.model_name = ready.model_name
+        self.num_kv_blocks = ready.num_kv_blocks  # of `config.block_size` tokens each
         self._processor = OutputProcessor(self.tokenizer)
         ref = weakref.ref(self)  # the monitor's thread must not keep the engine from garbage collection
         self._client.monitor.add_listener(lambda end: _call_if_alive(ref, end))

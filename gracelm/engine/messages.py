@@ -60,6 +60,7 @@ class Ready(msgspec.Struct, tag=True):
     model_name: str
     model_config: dict  # `ModelConfig` fields
     tokenizer: dict  # `Tokenizer.to_dict()`: the frontend rebuilds it without transformers or torch
+    num_kv_blocks: int  # the KV cache in blocks of --block-size tokens (the admission bound derives from it)
     # (phase, monotonic time it ended) of the core's start, for the supervisor's timeline (startup_timeline)
     startup_marks: list[tuple[str, float]] = msgspec.field(default_factory=list)
 

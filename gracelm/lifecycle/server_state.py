@@ -1,5 +1,6 @@
 """The server's lifecycle state and its admission of new requests, consulted by every route and driven by
-the supervisor. It knows nothing of HTTP: a refusal is an `AdmissionRefused` that the routes answer as 503.
+the supervisor. It knows nothing of HTTP: a refusal is an `AdmissionRefused` that the routes answer as 503,
+or a `QueueFull` (the server is healthy but has enough work) that they answer as 429.
 
 STARTING → RUNNING → DRAINING → STOPPING, and DEAD from anywhere once the engine is gone. RUNNING takes new
 work, and so does DRAINING during its grace period (`accepting`, for load balancers to notice the readiness
@@ -36,20 +37,29 @@ class AdmissionRefused(Exception):
         self.close = close
 
 
-class ServerState:
-    """What the routes consult: the lifecycle state and how many admitted requests still wait to start.
+class QueueFull(Exception):
+    """No new request now, for load alone: `max_in_flight` sequences are in flight already."""
 
-    A request counts as waiting from admission until its first output, i.e. while it queues in the engine;
-    `max_waiting` bounds that queue (None: no bound) so an overloaded server answers 503 at once instead of
-    piling up work it will serve too late.
+
+class ServerState:
+    """What the routes consult: the lifecycle state, and the admitted requests not yet answered.
+
+    Admission control, for requests whose client waits for the answer (a batch line's runner bounds its own):
+    `max_in_flight` bounds the sequences in flight, running or waiting, as vLLM's `--max-num-queued-reqs`
+    does (None: no bound; a request of `n` choices is `n` sequences), so that an overloaded server refuses at
+    once what it would serve too late; `max_queue_wait` bounds the seconds a request may wait for its first
+    output (`Admission.queue_wait_left`; None: no bound). `num_waiting` counts the requests admitted and
+    without an output yet, for the service's status line.
     """
 
-    def __init__(self, max_waiting: int | None) -> None:
+    def __init__(self, max_in_flight: int | None = None, max_queue_wait: float | None = None) -> None:
         self.lifecycle = Lifecycle.STARTING
         # Wall-clock time each state began, by name: the status page's uptime and drain, the last shutdown's
         # timeline.
         self.entered: dict[str, float] = {Lifecycle.STARTING.value: time.time()}
-        self.max_waiting = max_waiting
+        self.max_in_flight = max_in_flight
+        self.max_queue_wait = max_queue_wait
+        self.num_in_flight = 0
         self.num_waiting = 0
         self.num_active = 0
         self.accepting = True  # during DRAINING: still within the grace period
@@ -74,42 +84,56 @@ class ServerState:
         """Returns once no admitted request is left unanswered."""
         await self._idle.wait()
 
-    def _enter(self, waiting: bool) -> None:
+    def _enter(self, waiting: bool, slots: int) -> None:
         self.num_waiting += waiting
+        self.num_in_flight += slots
         self.num_active += 1
         self._idle.clear()
 
-    def _leave(self) -> None:
+    def _leave(self, slots: int) -> None:
+        self.num_in_flight -= slots
         self.num_active -= 1
         if self.num_active == 0:
             self._idle.set()
 
-    def admit(self, *, background: bool = False) -> Admission:
-        """Admits one request or raises `AdmissionRefused`; the caller releases the admission when the
-        request leaves. A `background` request (a batch line) is admitted only while RUNNING: a drain stops
-        background work at once, grace period or not. Its runner bounds how many it starts, so it neither
-        counts as waiting nor is refused for the waiting requests of others (`max_waiting` is for clients
-        who wait for an answer)."""
+    def admit(self, *, background: bool = False, slots: int = 1) -> Admission:
+        """Admits one request of `slots` sequences or raises `AdmissionRefused` or `QueueFull`; the caller
+        releases the admission when the request leaves. A `background` request (a batch line) is admitted
+        only while RUNNING: a drain stops background work at once, grace period or not. Its runner bounds how
+        many it starts, so it is outside admission control: neither counted nor refused nor timed by it. A
+        request larger than `max_in_flight` is admitted into an empty server, so that it is not refused for
+        ever."""
         if background and not self.ready:
             raise AdmissionRefused(f"the server is {self.lifecycle.value} and starts no background work",
                                    "server_unavailable", close=False)
         if not (self.ready or (self.lifecycle is Lifecycle.DRAINING and self.accepting)):
             raise AdmissionRefused(f"the server is {self.lifecycle.value} and takes no new requests",
                                    "server_unavailable", close=True)
-        if not background and self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise AdmissionRefused(f"too many waiting requests ({self.num_waiting}); try again later",
-                                   "queue_full", close=False)
-        return Admission(self, waiting=not background)
+        if background:
+            return Admission(self, waiting=False, slots=0)
+        bound = self.max_in_flight
+        if bound is not None and self.num_in_flight and self.num_in_flight + slots > bound:
+            raise QueueFull(f"the server is at its bound of {bound} sequences in flight "
+                            f"(--max-num-queued-reqs); retry later or elsewhere")
+        return Admission(self, waiting=True, slots=slots, queue_wait=self.max_queue_wait)
 
 
 class Admission:
-    """One admitted request's place in the waiting count, held until its first output or its end."""
+    """One admitted request's place: its `slots` in flight until its end, in the waiting count until its
+    first output or its end, and the time it may wait for that first output (`queue_wait`, seconds)."""
 
-    def __init__(self, state: ServerState, waiting: bool = True) -> None:
+    def __init__(self, state: ServerState, waiting: bool = True, slots: int = 1,
+                 queue_wait: float | None = None) -> None:
         self._state = state
         self._waiting = waiting
+        self._slots = slots
         self._active = True
-        state._enter(waiting)
+        self._wait_until = None if queue_wait is None else time.monotonic() + queue_wait
+        state._enter(waiting, slots)
+
+    def queue_wait_left(self) -> float | None:
+        """Seconds left for the first output to come (None: no bound)."""
+        return None if self._wait_until is None else self._wait_until - time.monotonic()
 
     def started(self) -> None:
         if self._waiting:
@@ -120,4 +144,4 @@ class Admission:
         self.started()
         if self._active:
             self._active = False
-            self._state._leave()
+            self._state._leave(self._slots)

@@ -7,7 +7,7 @@ and when each metric is built, so `ServerMetrics` sets the variable first and bu
 
 Names: every metric is `gracelm_*`. With `--metrics-names vllm` those vLLM also has are exported a second
 time under vLLM's name (`vllm:*`) and labels (`model_name`, `engine`), so that dashboards made for vLLM
-work unchanged; gracelm's own (lifecycle, faults, start-up, restored KV) keep their one name.
+work unchanged; gracelm's own (lifecycle, faults, refusals, start-up, restored KV) keep their one name.
 
 The status page's chart, output tokens per second over the last minutes (`ThroughputHistory`), is counted as
 the tokens arrive (`add`, from each request's tracker) into buckets of a few seconds, so that nothing wakes up
@@ -37,6 +37,9 @@ FAULT_STAGES = ("sampling", "stop_check", "detokenize")
 # A batch's statuses before its end, and its lines' states (`gracelm.batch.objects`, `BatchRunner.progress`).
 BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 BATCH_LINE_STATES = ("queued", "running", "completed", "failed")
+# Why a request was answered 429 (`serving/admission_control.py`): its admission would have passed
+# --max-num-queued-reqs, or it waited --max-queue-wait without an output.
+REJECTION_REASONS = ("queue_full", "queue_wait")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,9 @@ METRICS = (
              "Sequences preempted (their KV cache freed, to be recomputed) for lack of KV-cache blocks."),
     _counter("request_faults", "request_faults", "Requests ended by a fault of their own (finish_reason "
              "error; the engine served on), by stage.", ("stage",), vllm=False),
+    _counter("request_rejections", "request_rejections", "Requests answered 429 because the server had "
+             "enough work, by reason: queue_full (--max-num-queued-reqs), queue_wait (--max-queue-wait).",
+             ("reason",), vllm=False),
     _histogram("ttft", "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
     _histogram("itl", "inter_token_latency_seconds", "Time between two outputs of a request.", ITL_BUCKETS),
     _histogram("e2e", "e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS),
@@ -168,6 +174,8 @@ class ServerMetrics:
         """Label sets exist from the start, so a scrape shows every series at 0 rather than omitting them."""
         for stage in FAULT_STAGES:
             self.request_faults.labels(**self._label, stage=stage)
+        for reason in REJECTION_REASONS:
+            self.request_rejections.labels(**self._label, reason=reason)
         for reason in FINISH_REASONS:
             self.finished.labels(**self._label, finished_reason=reason)
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
@@ -241,6 +249,10 @@ class ServerMetrics:
         """Brings the fault counter up to the engine's running counts, by stage."""
         for stage, count in counts.items():
             self._count_up(f"request_faults:{stage}", self.request_faults, count, stage=stage)
+
+    def count_rejection(self, reason: str) -> None:
+        """One request answered 429, for one of `REJECTION_REASONS`."""
+        self.request_rejections.labels(**self._label, reason=reason).inc()
 
     def set_crashed_lines(self, count: int) -> None:
         """The lines this start failed as the cause of crashes (`Journal.crash_culprits`)."""

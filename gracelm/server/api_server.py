@@ -94,7 +94,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.socket) -> ExitCode:
-    state = ServerState(settings.max_waiting_requests)
+    state = ServerState(max_queue_wait=settings.max_queue_wait)  # its bound comes with the engine
     notifier = ServiceNotifier(SdNotify.from_env(), state)
     supervisor = Supervisor(state, config.shutdown_timeout, settings.drain_grace_period, notifier)
     ledger = Ledger()
@@ -124,6 +124,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             from gracelm.server.app import build_app
             from gracelm.server.connection_limits import connection_cap, limited_protocol
             from gracelm.server.http_server import HttpServer
+            from gracelm.serving.admission_control import max_in_flight
             startup_timeline.mark("http_import")
     except StartupInterrupted as interrupt:
         logger.info("start-up abandoned: %s received while the engine was starting", interrupt.signal.name)
@@ -133,6 +134,9 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
         return _stopped(ledger.release_all(), ExitCode.STARTUP_FAILURE, config, _held(settings, journal),
                         state)
     supervisor.engine = engine
+    state.max_in_flight = max_in_flight(settings.max_num_queued_reqs, engine)
+    logger.info("admission control: --max-num-queued-reqs %s, --max-queue-wait %s",
+                state.max_in_flight or "none", settings.max_queue_wait or "none")
     # A metrics file that finds its filesystem full while serving is a clean fatal stop naming it.
     loop = asyncio.get_running_loop()
     reserve_metric_files(lambda error: loop.call_soon_threadsafe(supervisor.fail, str(error)))

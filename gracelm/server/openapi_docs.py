@@ -30,10 +30,13 @@ _ERRORS: dict[int, str] = {
          "running or waiting, whose blocks the cache would keep.",
     413: "The request body exceeds `--max-request-body-bytes` (a file upload: `--max-upload-bytes`).",
     415: "The body is not declared as JSON (`Content-Type`).",
+    429: "The server has enough work: the request would pass `--max-num-queued-reqs` sequences in flight, "
+         "or it waited `--max-queue-wait` without starting (then aborted). OpenAI's rate-limit error "
+         "(`rate_limit_exceeded`); `Retry-After` says when to retry; the connection stays open.",
     500: "A bug (a generic message and an error id; the details are in the server's log), or the engine "
          "died while serving the request.",
-    503: "The server takes no new requests (draining, stopping) or too many wait to start "
-         "(`--max-waiting-requests`); `Retry-After` says when to retry. Also a request aborted by a stop.",
+    503: "The server takes no new requests (draining, stopping); `Retry-After` says when to retry. Also a "
+         "request aborted by a stop.",
 }
 
 
@@ -155,7 +158,7 @@ def generation(answer: type[BaseModel], chunk: type[BaseModel]) -> dict[int | st
     ok = {"model": answer, "content": {"text/event-stream": {"schema": event}},
           "description": "The answer; with `stream: true`, server-sent events: the chunks, an error body if "
                          "the request did not end well, then `[DONE]`."}
-    return {200: ok, **errors(400, 401, 404, 413, 415, 500, 503)}
+    return {200: ok, **errors(400, 401, 404, 413, 415, 429, 500, 503)}
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

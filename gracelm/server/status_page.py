@@ -114,6 +114,8 @@ def _snapshot(engine: AsyncEngine, stats: dict | None, settings: ServerConfig, s
         "model": {"name": model_name, "max_model_len": engine.config.max_model_len},
         "requests": {
             "active": state.num_active,
+            "in_flight": state.num_in_flight,  # sequences, against the bound (--max-num-queued-reqs)
+            "max_in_flight": state.max_in_flight,
             "running": sum(r.first_token_time is not None for r in open_requests),
             "waiting": sum(r.first_token_time is None for r in open_requests),
             "listed": [_request_view(r, now, engine.config.max_model_len)

@@ -17,10 +17,11 @@ from gracelm.serving.openai_protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
-# OpenAI's error types by status; clients (the official SDKs) map statuses to exception classes.
+# OpenAI's error types by status; clients (the official SDKs) map statuses to exception classes. A 429 is
+# OpenAI's limit on requests ("requests"; its limit on tokens would be "tokens").
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          500: "server_error", 503: "server_error"}
+          429: "requests", 500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):

@@ -76,7 +76,9 @@ class RequestIdHeader:
 
 
 class HeldAdmission(Protocol):
-    """What a request does with its admission: `Admission`'s two calls."""
+    """What a request does with its admission: `Admission`'s calls."""
+
+    def queue_wait_left(self) -> float | None: ...
 
     def started(self) -> None: ...
 
@@ -88,8 +90,8 @@ class RequestClient(Protocol):
         """The request's id: `prefix-` and the sender's name for it, else a fresh one."""
         ...
 
-    def admit(self, state: ServerState) -> HeldAdmission:
-        """The request's admission (raises `AdmissionRefused`)."""
+    def admit(self, state: ServerState, slots: int) -> HeldAdmission:
+        """The admission of a request of `slots` sequences (raises `AdmissionRefused`, `QueueFull`)."""
         ...
 
     def priority(self, requested: int) -> int:
@@ -110,8 +112,8 @@ class HttpClient:
     def request_id(self, body_id: str | None, prefix: str) -> str:
         return assign_id(self._raw, body_id, prefix)
 
-    def admit(self, state: ServerState) -> HeldAdmission:
-        return state.admit()
+    def admit(self, state: ServerState, slots: int) -> HeldAdmission:
+        return state.admit(slots=slots)
 
     def priority(self, requested: int) -> int:
         return requested
@@ -132,7 +134,7 @@ class BatchLineClient:
     def request_id(self, body_id: str | None, prefix: str) -> str:
         return f"{prefix}-{checked_id(body_id, 'request_id') if body_id else self._line_id}"
 
-    def admit(self, state: ServerState) -> HeldAdmission:
+    def admit(self, state: ServerState, slots: int) -> HeldAdmission:
         return _RunnersAdmission()
 
     def priority(self, requested: int) -> int:
@@ -145,7 +147,11 @@ class BatchLineClient:
 
 class _RunnersAdmission:
     """The runner took the line's admission and releases it once the line's result is committed: the drain,
-    which waits for every admission, then waits for that commit too."""
+    which waits for every admission, then waits for that commit too. A line may wait in the engine as long
+    as interactive requests keep it from running."""
+
+    def queue_wait_left(self) -> float | None:
+        return None
 
     def started(self) -> None:
         pass

@@ -44,8 +44,13 @@ class ServerConfig:
     tool_call_parser: str = option("auto", "how tool calls are read from the model's output: auto (from the "
                                            "chat template), or a family's parser by vLLM's name",
                                    choices=tool_parsers.NAMES)
-    max_waiting_requests: int | None = option(None, "answer 503 when this many admitted requests wait to "
-                                                    "start (default: no limit)", check=at_least(1))
+    max_num_queued_reqs: int | None = option(None, "answer 429 to a request that would put more than this "
+                                                   "many sequences in flight, running or waiting (0: no "
+                                                   "limit; default: twice the full-context requests the KV "
+                                                   "cache holds, at least --max-num-seqs)", check=at_least(0))
+    max_queue_wait: float | None = option(None, "seconds a request may wait for its first token; then it is "
+                                                "aborted and answered 429 (default: no limit)",
+                                          check=at_least(0.001))
     max_request_body_bytes: int = option(1 << 20, "answer 413 to larger request bodies", check=at_least(1))
     max_upload_bytes: int = option(200 << 20, "answer 413 to a larger file upload (POST /v1/files, a batch's "
                                               "input)", check=at_least(1))

@@ -36,7 +36,7 @@ from gracelm.lifecycle.server_state import ServerState
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.observability.metrics import ServerMetrics
 from gracelm.sampling_params import SamplingParams
-from gracelm.serving import prompt_batch
+from gracelm.serving import admission_control, prompt_batch
 from gracelm.serving.api_errors import APIError, from_value_error
 from gracelm.serving.grammar_checker import GrammarChecker
 from gracelm.serving.openai_protocol import PromptLogprob, PromptLogprobs, SamplingFields, Usage
@@ -130,16 +130,17 @@ class ServingBase:
 
     async def start(self, client: RequestClient, prompts: list[list[int]], params: SamplingParams,
                     request_id: str, prompt_param: str, *, priority: int = 0) -> Run:
-        """Admits the request (as `client` is admitted) and starts each of its prompts in the engine
-        (several only for a batch of completions prompts: one engine request each, `prompt_batch.py`), which
-        checks them (a 400 naming `prompt_param`), at `priority` (lower runs first; a 400 naming `priority`
-        outside its range). Its deltas come with metrics; closing them aborts the request. The admission is
-        released when the answer ends (`sse`, `final_output`); it is marked started at the first output."""
+        """Admits the request (as `client` is admitted; a 429 beyond admission control's bounds,
+        `admission_control.py`) and starts each of its prompts in the engine (several only for a batch of
+        completions prompts: one engine request each, `prompt_batch.py`), which checks them (a 400 naming
+        `prompt_param`), at `priority` (lower runs first; a 400 naming `priority` outside its range). Its
+        deltas come with metrics; closing them aborts the request. The admission is released when the answer
+        ends (`sse`, `final_output`); it is marked started at the first output."""
         try:
             check_priority(priority)
         except ValueError as exc:
             raise APIError(400, str(exc), param="priority", code="invalid_value") from None
-        admission = client.admit(self.state)
+        admission = admission_control.admit(client, self.state, len(prompts) * params.n, self.metrics)
         if self.served.log_requests:
             logger.info("request %s: %s prompt tokens, %s%s", request_id,
                         "+".join(str(len(p)) for p in prompts), _params_summary(params),
@@ -170,7 +171,8 @@ class ServingBase:
         tracker = self.metrics.request_tracker(num_prompt_tokens, params.n, params.max_tokens)
         finish_reasons: dict[int, str | None] = {}
         try:
-            async with contextlib.aclosing(deltas) as outs:
+            async with contextlib.aclosing(admission_control.within_queue_wait(deltas, admission,
+                                                                               self.metrics)) as outs:
                 async for delta in outs:
                     admission.started()
                     tracker.on_output(sum(len(o.token_ids) for o in delta.outputs))
