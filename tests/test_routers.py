@@ -97,6 +97,7 @@ def test_each_router_routes_every_kind_of_request_to_both_workers(workers, which
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         for _ in range(3):
             _every_kind_of_request(client)  # any 4xx or 5xx raises
+        assert [m.id for m in client.models.list().data] == [MODEL]  # the router read the workers' names
     finally:
         _stop(router)
     if policy == "round_robin":
