@@ -14,10 +14,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 Mark = tuple[str, float]
-# The phases of a model's load that are work on its files (the others are the process's own start): read
+# The phases of a model's load that are work on the model (the others are the process's own start): read
 # (headers, weights mapped or read), verify (content hash, compiled graphs checked), repack (weights converted
-# to the kernels' forms, fused) and compile (compiled graphs loaded; a compile runs beside the server).
-LOAD_WORK = ("read", "verify", "repack", "compile")
+# to the kernels' forms, fused), compile (compiled graphs loaded; a compile runs beside the server) and warmup
+# (its first steps, run before the server is ready: `parallel/warmup.py`).
+LOAD_WORK = ("read", "verify", "repack", "compile", "warmup")
 
 
 class StartupTimeline:

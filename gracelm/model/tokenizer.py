@@ -205,10 +205,16 @@ def _compiled(chat_template: str) -> jinja2.Template:
     return _compiled_environment().from_string(chat_template)
 
 
-@functools.lru_cache(maxsize=8)
 def template_variables(chat_template: str, budget: TemplateBudget | None = None) -> frozenset[str]:
     """The variables a chat template reads from its context (`tools` when it has a tools section); a
     request's (`budget`) read in the bounded environment, which folds no constants."""
+    # One cache entry whether the budget is passed or left out: the tool-call parser's choice and the
+    # prompts read the server's template once between them.
+    return _template_variables(chat_template, budget)
+
+
+@functools.lru_cache(maxsize=8)
+def _template_variables(chat_template: str, budget: TemplateBudget | None) -> frozenset[str]:
     env = _compiled_environment() if budget is None else bounded_environment(_configure, budget.max_chars)
     return frozenset(jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
 

@@ -38,6 +38,7 @@ from gracelm.parallel.distributed import (
 )
 from gracelm.parallel.layout import Layout, check_parallel_config
 from gracelm.parallel.sharding import CommTimer
+from gracelm.parallel.warmup import run_warmup, warmup_steps
 from gracelm.parallel.worker import Worker
 from gracelm.parallel.worker_group import WorkerDiedError, WorkerGroup
 
@@ -111,7 +112,16 @@ class Executor:
         elif graph_applies(self.config, self._driver.loaded, self.layout.world_size):
             self.graph_build = DecodeGraphBuild(self.config, self._driver.loaded, self._driver.weight_bytes,
                                                self.ledger)
+        self._warm_up(num_blocks)
         self._driver.commit_kv_cache()
+
+    def _warm_up(self, num_blocks: int) -> None:
+        """The first steps, on every rank, before the core says Ready (`warmup.py`): after the compiled
+        graphs load, so that they run too; before the cache's pages are committed, which would compete."""
+        steps = warmup_steps(self.config.block_size, num_blocks, self.model_config.vocab_size)
+        if self._group is not None:
+            self._group.broadcast(m.WarmUp([step.batch for step in steps]))
+        run_warmup(self._driver, steps)
 
     def execute(self, step: ModelStep) -> StepResult:
         """Runs one step on every rank; the sampled token of each row of `step.request_ids`, in order (a

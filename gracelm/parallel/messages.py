@@ -35,6 +35,13 @@ class RestoreKVBlocks(msgspec.Struct, tag=True, array_like=True):
     blocks: list[tuple[bytes, int]]  # (hash, block id), most recent first
 
 
+class WarmUp(msgspec.Struct, tag=True, array_like=True):
+    """At start, after the KV cache: the forward passes of rank 0's warm-up steps (`warmup.py`), run by
+    every rank in this order and counted by none."""
+
+    batches: list[StepBatch]
+
+
 class Stop(msgspec.Struct, tag=True, array_like=True):
     pass
 
@@ -79,7 +86,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
     traceback: str
 
 
-ToWorker = StepBatch | InitKVCache | SaveKVBlocks | RestoreKVBlocks | Stop
+ToWorker = StepBatch | InitKVCache | WarmUp | SaveKVBlocks | RestoreKVBlocks | Stop
 FromWorker = Hello | Loaded | KVCacheReady | KVBlocksSaved | KVBlocksRestored | Stopped | Failed
 
 _encoder = msgspec.msgpack.Encoder()

@@ -24,9 +24,11 @@ tensor parallelism those rows are gathered to rank 0 like the others, since ever
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
+from collections.abc import Iterator
 
 import psutil
 import torch
@@ -50,7 +52,7 @@ from gracelm.model.token_constraints import ConstraintStates, has_constraints
 from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch, StepResult
 from gracelm.parallel.heap import keep_freed_memory, release_freed_memory
 from gracelm.parallel.layout import check_shardable, shard_config
-from gracelm.parallel.sharding import TensorParallelModel
+from gracelm.parallel.sharding import CommTimer, TensorParallelModel
 
 logger = logging.getLogger(__name__)
 
@@ -306,6 +308,22 @@ class Worker:
         """Called in an `except` block: the row's request ends; the traceback goes to the log with its id."""
         logger.exception("request %s: its sampling raised", step.request_ids[row])
         return SamplingFault(traceback.format_exc(limit=0).strip().splitlines()[-1])
+
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Steps run inside leave no trace in what this rank counts or draws (the start-up warm-up,
+        `warmup.py`): the compiled steps' count, the time in collectives, the default generator's state."""
+        assert self.loaded is not None
+        decoder = self.loaded.model.model
+        timer = self.shard.timer if self.shard is not None else CommTimer()
+        compiled_steps, collectives = decoder.compiled_steps, (timer.seconds, timer.calls)
+        generator_state = self._default_generator.get_state()
+        try:
+            yield
+        finally:
+            decoder.compiled_steps = compiled_steps
+            timer.seconds, timer.calls = collectives
+            self._default_generator.set_state(generator_state)
 
     def release_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

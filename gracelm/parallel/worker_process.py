@@ -1,8 +1,9 @@
 """The main loop of a worker process (ranks 1..N-1): receive each step from rank 0, run it, never sample.
 
 Start: join the rendezvous store, connect the step channel, say hello, join the process group, load and
-shard the model, report how many KV blocks fit; then serve `InitKVCache`, `StepBatch` and the prefix
-cache's `RestoreKVBlocks` (at start) and `SaveKVBlocks` (at the stop) messages in order. `Stop` is
+shard the model, report how many KV blocks fit; then serve `InitKVCache`, the start-up's `WarmUp`,
+`StepBatch` and the prefix cache's `RestoreKVBlocks` (at start) and `SaveKVBlocks` (at the stop) messages in
+order. `Stop` is
 handled between steps (the loop is single-threaded, so the current step always finishes): the ledger
 releases the KV cache, the model and the process group, newest first, and the report goes back to rank 0
 before the channel closes and the process exits 0.
@@ -38,6 +39,7 @@ from gracelm.parallel.distributed import (
 )
 from gracelm.parallel.kv_shard import restore_shard, save_shard
 from gracelm.parallel.sharding import CommTimer
+from gracelm.parallel.warmup import run_warmup_batches
 from gracelm.parallel.worker import Worker
 from gracelm.parallel.worker_group import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 
@@ -128,6 +130,8 @@ class WorkerProcess:
                                     self.worker.free_kv_cache)
                 self._send(m.KVCacheReady())
                 self.worker.commit_kv_cache()
+            elif isinstance(message, m.WarmUp):
+                run_warmup_batches(self.worker, message.batches)
             elif isinstance(message, m.SaveKVBlocks):
                 self._send(save_shard(self.worker, message))
             elif isinstance(message, m.RestoreKVBlocks):

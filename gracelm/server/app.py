@@ -44,6 +44,7 @@ from gracelm.serving.server_config import ServerConfig
 from gracelm.serving.serving_chat import ServingChat
 from gracelm.serving.serving_completion import ServingCompletion
 from gracelm.serving.serving_options import ServingOptions
+from gracelm.serving.serving_warmup import warmed_up
 
 logger = logging.getLogger("gracelm.server")
 
@@ -63,7 +64,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
         background.insert(0, ("stats-logger", lambda: log_stats_forever(engine, metrics,
                                                                          settings.stats_interval)))
     app = FastAPI(title="gracelm", version=package_version(), docs_url=None, redoc_url=None,
-                  lifespan=_lifespan(state, ledger, metrics, background))
+                  lifespan=warmed_up(_lifespan(state, ledger, metrics, background), engine))
     install_error_handlers(app)
     install_openapi(app)
     _install_guards(app, settings)
