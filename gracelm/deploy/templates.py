@@ -75,6 +75,22 @@ KUBERNETES = """\
 app.kubernetes.io/name: gracelm
 app.kubernetes.io/instance: {{ deploy.name | tojson }}
 {%- endset %}
+{% macro service(name, selected, port, flag) %}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ name | tojson }}
+  labels:
+    {{ selected | indent(4) }}
+spec:
+  selector:
+    {{ selected | indent(4) }}
+  ports:
+    # {{ flag }}
+    - name: http
+      port: {{ port }}
+      targetPort: http
+{%- endmacro %}
 {% set router_labels %}
 app.kubernetes.io/name: gracelm-router
 app.kubernetes.io/instance: {{ deploy.name | tojson }}
@@ -205,20 +221,7 @@ spec:
 {% endif %}
 {% endfor %}
 ---
-apiVersion: v1
-kind: Service
-metadata:
-  name: {{ deploy.name | tojson }}
-  labels:
-    {{ labels | indent(4) }}
-spec:
-  selector:
-    {{ labels | indent(4) }}
-  ports:
-    # --port
-    - name: http
-      port: {{ server.port }}
-      targetPort: http
+{{ service(deploy.name, labels, server.port, "--port") }}
 ---
 apiVersion: policy/v1
 kind: PodDisruptionBudget
@@ -316,18 +319,7 @@ spec:
             capabilities:
               drop: ["ALL"]
 ---
-apiVersion: v1
-kind: Service
-metadata:
-  name: {{ (deploy.name ~ "-router") | tojson }}
-spec:
-  selector:
-    {{ router_labels | indent(4) }}
-  ports:
-    # --router-port
-    - name: http
-      port: {{ deploy.router_port }}
-      targetPort: http
+{{ service(deploy.name ~ "-router", router_labels, deploy.router_port, "--router-port") }}
 {% endif %}
 {% if deploy.inference_pool %}
 ---
