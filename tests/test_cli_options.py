@@ -171,6 +171,8 @@ def test_a_usage_error_prints_the_subcommands_usage(args, usage):
      "dense_weights off (--dense-weights) cannot serve tensor_parallel_size > 1"),
     (["serve", "--dense-weights", "off", "--quantization", "none"],
      "dense_weights off (--dense-weights) cannot serve quantization none"),
+    (["serve", "--disable-access-log-for-endpoints", "/health,ready"],
+     "disable_access_log_for_endpoints takes paths such as /ready, got 'ready'"),
 ])
 def test_a_bad_value_is_a_usage_error_naming_it(args, problem):
     result = _usage_error(*args)

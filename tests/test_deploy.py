@@ -179,6 +179,7 @@ def test_a_router_in_front_of_the_pods_and_an_inference_pool_validate_and_follow
     workers, router_deployment, pool = docs[0], docs[6], docs[8]
     engine, server = serve_options(workers["spec"]["template"]["spec"]["containers"][0]["args"])
     assert server.drain_grace_period >= router.removal_time()
+    assert server.quiet_paths == ["/ready"]  # the router's checks, one a second, out of the access log
     (container,) = router_deployment["spec"]["template"]["spec"]["containers"]
     assert container["command"] == router.COMMANDS[which]
     parsed = _router_args(which, container["args"])

@@ -31,7 +31,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 @pytest.fixture(scope="module")
 def workers():
-    args = ("--served-model-name", MODEL, "--drain-grace-period", "5", "--kv-cache-memory", "16MiB")
+    args = ("--served-model-name", MODEL, "--kv-cache-memory", "16MiB")
     with ServerProcess(tiny_model(), *args) as a, ServerProcess(tiny_model(), *args) as b:
         yield a, b
 
@@ -95,8 +95,7 @@ def test_each_router_routes_every_kind_of_request_to_both_workers(workers, which
     try:
         _wait_ok(f"{url}/health", router)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-        for _ in range(3):
-            _every_kind_of_request(client)  # any 4xx or 5xx raises
+        _every_kind_of_request(client)  # any 4xx or 5xx raises
         assert [m.id for m in client.models.list().data] == [MODEL]  # the router read the workers' names
     finally:
         _stop(router)
@@ -185,8 +184,10 @@ def test_a_rolling_restart_of_the_fleet_loses_no_request_and_its_stop_leaves_not
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running: {alive}"
     assert all(port_is_free(p) for p in (port, port + 1, port + 2))
-    restarted = re.findall(r"worker (\d) restarted", log_path.read_text())
-    assert restarted == ["0", "1"]
+    log = log_path.read_text()
+    assert re.findall(r"worker (\d) restarted", log) == ["0", "1"]
+    # The workers' access logs keep the requests and leave out the router's checks, one a second.
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in log and '"GET /ready HTTP/1.1"' not in log
 
 
 def _wait_for_line(path: Path, text: str, child: subprocess.Popen, timeout: float = 120) -> None:

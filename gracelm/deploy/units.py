@@ -92,7 +92,8 @@ def _fields(cls: type) -> set[str]:
 
 def _kubernetes_overrides(given: dict, deploy: KubernetesConfig) -> dict[str, object]:
     """What a pod needs that `serve`'s defaults would not give: listening on the pod's IP, a grace period
-    for endpoint removal, threads matching the CPU limit (the CPUs a container sees are the node's)."""
+    for endpoint removal, threads matching the CPU limit (the CPUs a container sees are the node's), and
+    behind a router (`--router`), its health checks out of the access log."""
     overrides: dict[str, object] = {}
     if "host" not in given:
         overrides["host"] = "0.0.0.0"
@@ -100,6 +101,8 @@ def _kubernetes_overrides(given: dict, deploy: KubernetesConfig) -> dict[str, ob
         overrides["drain_grace_period"] = KUBERNETES_DRAIN_GRACE_S
     elif deploy.router != "none":
         router.check_grace(given["drain_grace_period"])
+    if deploy.router != "none" and "disable_access_log_for_endpoints" not in given:
+        overrides["disable_access_log_for_endpoints"] = [router.HEALTH_ENDPOINT]
     if "num_threads" not in given:
         overrides["num_threads"] = max(1, deploy.cpus // given.get("tensor_parallel_size", 1))
     return overrides
@@ -131,11 +134,16 @@ def _kubernetes_router(deploy: KubernetesConfig, server: ServerConfig) -> dict[s
 
 
 def _router_overrides(given: dict) -> dict[str, object]:
-    """Workers behind a router keep serving until the router has taken them out of rotation."""
+    """Workers behind a router keep serving until the router has taken them out of rotation, and leave its
+    health checks, one a second, out of their access logs."""
+    overrides: dict[str, object] = {}
+    if "disable_access_log_for_endpoints" not in given:
+        overrides["disable_access_log_for_endpoints"] = [router.HEALTH_ENDPOINT]
     if "drain_grace_period" in given:
         router.check_grace(given["drain_grace_period"])
-        return {}
-    return {"drain_grace_period": router.router_grace()}
+    else:
+        overrides["drain_grace_period"] = router.router_grace()
+    return overrides
 
 
 def _router_script(deploy: RouterConfig, serve_flags: list[str], generated_by: str) -> str:

@@ -121,6 +121,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
 
             from gracelm.observability.metrics import ServerMetrics
             from gracelm.observability.metrics_files import reserve_metric_files
+            from gracelm.server.access_log import quiet_endpoints
             from gracelm.server.app import build_app
             from gracelm.server.connection_limits import connection_cap, limited_protocol
             from gracelm.server.http_server import HttpServer
@@ -151,6 +152,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             return _stopped(engine.shutdown(timeout=0), ExitCode.STARTUP_FAILURE, config, settings.state_dir,
                             state)
         ledger.acquire(ResourceKind.DIRECTORY, f"prometheus dir {metrics.directory}", metrics.close)
+        quiet_endpoints(settings.quiet_paths)
         app = build_app(engine, settings, state, metrics, ledger, served, journal)
         http = limited_protocol(settings.header_timeout, settings.body_timeout)
         server = HttpServer(uvicorn.Config(app, log_config=None, log_level=settings.uvicorn_log_level,

@@ -18,6 +18,17 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 METRICS_NAMES = ("gracelm", "vllm")
 
 
+def _paths(values: list[str]) -> list[str]:
+    """The paths of `--disable-access-log-for-endpoints`: each value a path or several separated by commas,
+    as vLLM takes them."""
+    return [path.strip() for value in values for path in value.split(",") if path.strip()]
+
+
+def _paths_problem(values: list[str]) -> str | None:
+    wrong = [path for path in _paths(values) if not path.startswith("/")]
+    return f"takes paths such as /ready, got {wrong[0]!r}" if wrong else None
+
+
 @dataclass
 class ServerConfig:
     host: str = option("127.0.0.1", "address to bind")
@@ -70,6 +81,10 @@ class ServerConfig:
                                          "connection is closed after that", check=at_least(0.001))
     body_timeout: float = option(60.0, "seconds a request's body may pause (no byte of it comes); the "
                                        "connection is closed after that", check=at_least(0.001))
+    disable_access_log_for_endpoints: list[str] = option(
+        [], "paths (comma-separated, or the option repeated) whose requests the access log leaves out, as "
+            "vLLM's option does: /ready,/health,/metrics for probes, routers' checks and scrapers",
+        check=_paths_problem)
     stats_interval: float = option(10.0, "seconds between stats log lines (0: none)", check=at_least(0))
     drain_grace_period: float = option(0.0, "seconds to keep accepting new requests after readiness turns "
                                             "503 at a stop", check=at_least(0))
@@ -77,6 +92,11 @@ class ServerConfig:
                                          "stop's report, shown on /status, and batches.db, the journal of "
                                          "the files and batches of /v1/files and /v1/batches, which need it "
                                          "(default: none kept)", check=writable_dir_problem)
+
+    @property
+    def quiet_paths(self) -> list[str]:
+        """The paths whose requests the access log leaves out."""
+        return _paths(self.disable_access_log_for_endpoints)
 
     def __post_init__(self) -> None:
         options.validate(self)
