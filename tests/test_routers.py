@@ -1,5 +1,6 @@
 """gracelm behind the field's own routers, vllm-router and sglang-router from PyPI: every kind of request
-routes to two workers without an error, under the command line `gracelm deploy router` writes; and
+routes to two workers without an error, under each router's own defaults and under the command line
+`gracelm deploy router` writes; and
 `gracelm fleet` restarts its workers one by one under a streaming load without losing a request, then
 stops with nothing left."""
 
@@ -19,6 +20,7 @@ import openai
 import psutil
 import pytest
 
+from gracelm.deploy import router
 from tests.server_process import GRACELM, ServerProcess, free_port, port_is_free
 from tests.tiny_models import tiny_model
 
@@ -50,24 +52,31 @@ def _wait_ok(url: str, child: subprocess.Popen, timeout: float = 60) -> None:
 
 
 def _router(which: str, policy: str, worker_urls: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    """The router: with its own defaults alone (`policy` "defaults"), else as `gracelm deploy router` writes
+    it."""
     port = free_port()
-    urls = [w for url in worker_urls for w in ("--worker-url", url)]
-    script = subprocess.run([str(GRACELM), "deploy", "router", str(tiny_model()), "--router", which,
-                             "--policy", policy, "--router-port", str(port), *urls],
-                            capture_output=True, text=True, check=True).stdout
-    path = tmp_path / f"{which}-router.sh"
-    path.write_text(script)
+    if policy == "defaults":
+        command = [*router.COMMANDS[which], "--host", "127.0.0.1", "--port", str(port),
+                   "--worker-urls", *worker_urls]
+    else:
+        urls = [w for url in worker_urls for w in ("--worker-url", url)]
+        script = subprocess.run([str(GRACELM), "deploy", "router", str(tiny_model()), "--router", which,
+                                 "--policy", policy, "--router-port", str(port), *urls],
+                                capture_output=True, text=True, check=True).stdout
+        path = tmp_path / f"{which}-router.sh"
+        path.write_text(script)
+        command = ["sh", str(path)]
     log = open(tmp_path / f"{which}-router.log", "w")  # noqa: SIM115 (closed with the router)
-    router = subprocess.Popen(["sh", str(path)], stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
-    router.log = log  # type: ignore[attr-defined]
-    return router, f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+    process.log = log  # type: ignore[attr-defined]
+    return process, f"http://127.0.0.1:{port}"
 
 
-def _stop(router: subprocess.Popen) -> None:
-    router.send_signal(signal.SIGTERM)
-    router.wait(30)
-    router.log.close()  # type: ignore[attr-defined]
+def _stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    process.wait(30)
+    process.log.close()  # type: ignore[attr-defined]
 
 
 def _every_kind_of_request(client: openai.OpenAI) -> None:
@@ -88,17 +97,17 @@ def _every_kind_of_request(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("which", ["vllm", "sglang"])
-@pytest.mark.parametrize("policy", ["cache_aware", "round_robin"])
+@pytest.mark.parametrize("policy", ["defaults", "round_robin"])
 def test_each_router_routes_every_kind_of_request_to_both_workers(workers, which, policy, tmp_path):
     before = [_finished(w.url) for w in workers]
-    router, url = _router(which, policy, [w.url for w in workers], tmp_path)
+    process, url = _router(which, policy, [w.url for w in workers], tmp_path)
     try:
-        _wait_ok(f"{url}/health", router)
+        _wait_ok(f"{url}/health", process)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         _every_kind_of_request(client)  # any 4xx or 5xx raises
         assert [m.id for m in client.models.list().data] == [MODEL]  # the router read the workers' names
     finally:
-        _stop(router)
+        _stop(process)
     if policy == "round_robin":
         after = [_finished(w.url) for w in workers]
         assert all(a > b for a, b in zip(after, before, strict=True)), f"one got nothing: {before} → {after}"
