@@ -199,6 +199,28 @@ def test_a_rolling_restart_of_the_fleet_loses_no_request_and_its_stop_leaves_not
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log and '"GET /ready HTTP/1.1"' not in log
 
 
+def test_a_fleet_stopped_while_its_workers_start_starts_no_router_and_leaves_nothing(tmp_path):
+    port = _ports_in_a_row(3)
+    log_path = tmp_path / "fleet.log"
+    with open(log_path, "w") as log:
+        fleet = subprocess.Popen([str(GRACELM), "fleet", str(tiny_model()), "--port", str(port)],
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            # A worker loads its model: the fleet has set its signal handlers before it started them.
+            _wait_for_line(log_path, "gracelm.model.loader", fleet)
+            children = psutil.Process(fleet.pid).children(recursive=True)
+            fleet.send_signal(signal.SIGTERM)
+            assert fleet.wait(120) == 0, log_path.read_text()[-3000:]
+        finally:
+            if fleet.poll() is None:
+                fleet.kill()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {alive}"
+    assert all(port_is_free(p) for p in (port, port + 1, port + 2))
+    text = log_path.read_text()
+    assert "fleet stopping" in text and "fleet ready" not in text
+
+
 def _wait_for_line(path: Path, text: str, child: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

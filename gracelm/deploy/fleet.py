@@ -73,6 +73,8 @@ class Fleet:
         self.workers = [self._worker(port) for port in self.ports]
         for worker, url in zip(self.workers, self.urls, strict=True):
             self._wait(worker, f"{url}/ready", self.load_time)
+        if self.stopping.is_set():  # a signal during the workers' start: no router to start, then stop
+            return
         self.router = _spawn(self.router_command)
         self._wait(self.router, f"{self.router_url}/health", self.load_time)
         logger.info("fleet ready: %s in front of %s", self.router_url, " ".join(self.urls))
@@ -143,6 +145,7 @@ class Fleet:
 
     def stop(self) -> int:
         """Workers first (they drain while the router still carries their streams), then the router."""
+        logger.info("fleet stopping: the workers drain, then the router stops")
         self.stopping.set()
         codes = [self._stop(worker) for worker in self.workers]
         if self.router is not None:
