@@ -14,7 +14,6 @@ and dies with the fleet (PR_SET_PDEATHSIG) if the fleet is killed.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -28,15 +27,16 @@ from pathlib import Path
 import httpx
 
 from gracelm.deploy import router
+from gracelm.lifecycle.processes import set_parent_death_signal
 
 logger = logging.getLogger("gracelm.fleet")
 
-_PR_SET_PDEATHSIG = 1
 _POLL_S = 0.2
 
 
 def _die_with_fleet() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    # Between fork and exec nothing may log; the prctl fails only for an invalid signal.
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def _spawn(command: list[str]) -> subprocess.Popen:

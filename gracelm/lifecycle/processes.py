@@ -172,11 +172,17 @@ def _set_title(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
+def set_parent_death_signal(signum: int) -> int:
+    """Has the kernel send this process `signum` when the thread that started it ends; 0, or the errno of
+    the failed `prctl(PR_SET_PDEATHSIG)`."""
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+        return ctypes.get_errno()
+    return 0
+
+
 def _die_with_parent(parent_pid: int, pdeathsig: bool, death_reader: Connection) -> None:
-    if pdeathsig:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if pdeathsig and (errno := set_parent_death_signal(signal.SIGKILL)):
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", errno)
     # The parent may have died before the prctl above: then we were already re-parented.
     if os.getppid() != parent_pid:
         os._exit(1)
