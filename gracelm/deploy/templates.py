@@ -91,6 +91,7 @@ spec:
       port: {{ port }}
       targetPort: http
 {%- endmacro %}
+{% set router_name = deploy.name ~ "-router" %}
 {% set router_labels %}
 app.kubernetes.io/name: gracelm-router
 app.kubernetes.io/instance: {{ deploy.name | tojson }}
@@ -240,12 +241,12 @@ spec:
 apiVersion: v1
 kind: ServiceAccount
 metadata:
-  name: {{ (deploy.name ~ "-router") | tojson }}
+  name: {{ router_name | tojson }}
 ---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: Role
 metadata:
-  name: {{ (deploy.name ~ "-router") | tojson }}
+  name: {{ router_name | tojson }}
 rules:
   - apiGroups: [""]
     resources: ["pods"]
@@ -254,19 +255,19 @@ rules:
 apiVersion: rbac.authorization.k8s.io/v1
 kind: RoleBinding
 metadata:
-  name: {{ (deploy.name ~ "-router") | tojson }}
+  name: {{ router_name | tojson }}
 roleRef:
   apiGroup: rbac.authorization.k8s.io
   kind: Role
-  name: {{ (deploy.name ~ "-router") | tojson }}
+  name: {{ router_name | tojson }}
 subjects:
   - kind: ServiceAccount
-    name: {{ (deploy.name ~ "-router") | tojson }}
+    name: {{ router_name | tojson }}
 ---
 apiVersion: apps/v1
 kind: Deployment
 metadata:
-  name: {{ (deploy.name ~ "-router") | tojson }}
+  name: {{ router_name | tojson }}
   labels:
     {{ router_labels | indent(4) }}
 spec:
@@ -280,7 +281,7 @@ spec:
       labels:
         {{ router_labels | indent(8) }}
     spec:
-      serviceAccountName: {{ (deploy.name ~ "-router") | tojson }}
+      serviceAccountName: {{ router_name | tojson }}
       securityContext:
         runAsNonRoot: true
         runAsUser: 10001
@@ -319,7 +320,7 @@ spec:
             capabilities:
               drop: ["ALL"]
 ---
-{{ service(deploy.name ~ "-router", router_labels, deploy.router_port, "--router-port") }}
+{{ service(router_name, router_labels, deploy.router_port, "--router-port") }}
 {% endif %}
 {% if deploy.inference_pool %}
 ---

@@ -60,10 +60,8 @@ def render(target: str, args: argparse.Namespace) -> str:
         overrides = _kubernetes_overrides(given, deploy)
     if target == "router":
         overrides = _router_overrides(given)
-    engine = options.from_args(EngineConfig, args, **{k: v for k, v in overrides.items()
-                                                        if k in _fields(EngineConfig)})
-    server = options.from_args(ServerConfig, args, api_key=[],
-                               **{k: v for k, v in overrides.items() if k in _fields(ServerConfig)})
+    # The key is never written into a file (`_refuse`).
+    engine, server = _serve_configs(args, overrides, api_key=[])
     _refuse(target, given, engine, server)
     flags = _serve_flags(given, engine, server, overrides)
     if isinstance(deploy, RouterConfig):
@@ -86,6 +84,16 @@ def render(target: str, args: argparse.Namespace) -> str:
     return template.render(context)
 
 
+def _serve_configs(args: argparse.Namespace, overrides: dict[str, object],
+                   **server_fields: object) -> tuple[EngineConfig, ServerConfig]:
+    """`serve`'s configurations from the arguments, with the target's overrides."""
+    engine = options.from_args(EngineConfig, args, **{k: v for k, v in overrides.items()
+                                                        if k in _fields(EngineConfig)})
+    server = options.from_args(ServerConfig, args, **server_fields,
+                               **{k: v for k, v in overrides.items() if k in _fields(ServerConfig)})
+    return engine, server
+
+
 def _fields(cls: type) -> set[str]:
     return {field.name for field in dataclasses.fields(cls)}
 
@@ -94,15 +102,11 @@ def _kubernetes_overrides(given: dict, deploy: KubernetesConfig) -> dict[str, ob
     """What a pod needs that `serve`'s defaults would not give: listening on the pod's IP, a grace period
     for endpoint removal, threads matching the CPU limit (the CPUs a container sees are the node's), and
     behind a router (`--router`), its health checks out of the access log."""
-    overrides: dict[str, object] = {}
+    overrides = _router_overrides(given) if deploy.router != "none" else {}
     if "host" not in given:
         overrides["host"] = "0.0.0.0"
     if "drain_grace_period" not in given:
-        overrides["drain_grace_period"] = KUBERNETES_DRAIN_GRACE_S
-    elif deploy.router != "none":
-        router.check_grace(given["drain_grace_period"])
-    if deploy.router != "none" and "disable_access_log_for_endpoints" not in given:
-        overrides["disable_access_log_for_endpoints"] = [router.HEALTH_ENDPOINT]
+        overrides.setdefault("drain_grace_period", KUBERNETES_DRAIN_GRACE_S)
     if "num_threads" not in given:
         overrides["num_threads"] = max(1, deploy.cpus // given.get("tensor_parallel_size", 1))
     return overrides
@@ -113,8 +117,7 @@ def fleet(args: argparse.Namespace) -> Fleet:
     deploy = options.from_args(FleetConfig, args)
     given = vars(args)
     overrides = _router_overrides(given)
-    engine = options.from_args(EngineConfig, args)
-    server = options.from_args(ServerConfig, args, **overrides)
+    engine, server = _serve_configs(args, overrides)
     # The fleet's --host and --port are the router's; each worker gets its own.
     flags = [word for word in _serve_flags(given, engine, server, overrides)
              if not word.startswith(("--host=", "--port="))]
