@@ -109,6 +109,11 @@ class EngineFrontend:
         self._finalizer.atexit = False
         atexit.register(self._finalizer)
 
+    @property
+    def model_path(self) -> str:
+        """The model as the server was given it (its path), else the name the core gave it."""
+        return self.config.model or self.model_name
+
     # -- the one state: how the core ended -----------------------------------------------------------
 
     @property

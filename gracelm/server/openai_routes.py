@@ -39,7 +39,7 @@ def openai_router(engine: AsyncEngine, served: ServingOptions, chat: ServingChat
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     # What each served name stands for (vLLM's root: the model's path; no adapters, so no parent).
     card_fields = {"max_model_len": engine.config.max_model_len,
-                   "root": engine.config.model or engine.model_name}
+                   "root": engine.model_path}
 
     @v1.get("/models", responses=answers(ModelList, 401, 500))
     async def models() -> dict:

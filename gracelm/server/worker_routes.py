@@ -191,7 +191,7 @@ async def _generates_a_token(completion: ServingCompletion, client: RequestClien
 def _server_info(engine: AsyncEngine, served: ServingOptions, num_blocks: int) -> ServerInfo:
     config = engine.config
     assert config.max_model_len is not None
-    model_path = config.model or engine.model_name
+    model_path = engine.model_path
     num_tokens = num_blocks * config.block_size
     return ServerInfo(
         model_path=model_path, tokenizer_path=model_path, served_model_name=served.model_name,
@@ -205,7 +205,7 @@ def _server_info(engine: AsyncEngine, served: ServingOptions, num_blocks: int) -
 
 
 def _model_info(engine: AsyncEngine) -> ModelInfo:
-    model_path = engine.config.model or engine.model_name
+    model_path = engine.model_path
     return ModelInfo(model_path=model_path, tokenizer_path=model_path, is_generation=True,
                      architectures=[engine.model_config.architecture], weight_version="default",
                      has_image_understanding=False, has_audio_understanding=False)
