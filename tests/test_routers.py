@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from gracelm.deploy import router
+from tests.process_checks import wait_until
 from tests.server_process import GRACELM, ServerProcess, free_port, port_is_free
 from tests.tiny_models import tiny_model
 
@@ -39,16 +40,15 @@ def workers():
 
 
 def _wait_ok(url: str, child: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Until `url` answers 200; fails at once if `child` (what serves it) exits."""
+    def ok() -> bool:
         assert child.poll() is None, f"{child.args} exited with {child.returncode}"
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
+            return httpx.get(url, timeout=2).status_code == 200
         except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
+            return False
+
+    wait_until(ok, timeout, url, interval=0.2)
 
 
 def _router(which: str, policy: str, worker_urls: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str]:
@@ -162,80 +162,84 @@ def _ports_in_a_row(count: int) -> int:
     raise RuntimeError(f"no {count} free ports in a row")
 
 
+class Fleet:
+    """`with Fleet(tmp_path, *fleet options) as fleet:` a `gracelm fleet` of two workers on free ports, its
+    log in `tmp_path`; `stop()` does the checks; killed if a test leaves it running."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.port = _ports_in_a_row(3)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workers = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(2)]
+        self.log_path = tmp_path / "fleet.log"
+        with open(self.log_path, "w") as log:
+            command = [str(GRACELM), "fleet", str(tiny_model()), "--port", str(self.port), "--replicas", "2"]
+            self.process = subprocess.Popen([*command, *args], stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        self.children: list[psutil.Process] = []
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        """Until the fleet logs `text`; fails at once if it exits."""
+        def logged() -> bool:
+            assert self.process.poll() is None, self.log()[-3000:]
+            return text in self.log()
+
+        wait_until(logged, timeout, lambda: f"{text!r} not logged:\n{self.log()[-3000:]}", interval=0.2)
+
+    def capture(self) -> None:
+        """Records the processes that must be gone after the stop."""
+        self.children = psutil.Process(self.process.pid).children(recursive=True)
+
+    def stop(self) -> str:
+        """SIGTERM, then asserts: exit code 0, no process of the fleet left, its ports free. Its log."""
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(120) == 0, self.log()[-3000:]
+        _, alive = psutil.wait_procs(self.children, timeout=10)
+        assert not alive, f"left running: {alive}"
+        assert all(port_is_free(self.port + i) for i in range(3))
+        return self.log()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
 def test_a_rolling_restart_of_the_fleet_loses_no_request_and_its_stop_leaves_nothing(tmp_path):
-    port = _ports_in_a_row(3)
-    log_path = tmp_path / "fleet.log"
-    with open(log_path, "w") as log:
-        fleet = subprocess.Popen([str(GRACELM), "fleet", str(tiny_model()), "--served-model-name", MODEL,
-                                  "--kv-cache-memory", "16MiB", "--port", str(port), "--replicas", "2"],
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with Fleet(tmp_path, "--served-model-name", MODEL, "--kv-cache-memory", "16MiB") as fleet:
+        fleet.wait_for("fleet ready")
+        fleet.capture()
+        load = Load(fleet.url, clients=3)
         try:
-            _wait_for_line(log_path, "fleet ready", fleet)
-            children = psutil.Process(fleet.pid).children(recursive=True)
-            workers = [f"http://127.0.0.1:{port + 1 + i}" for i in range(2)]
-            load = Load(f"http://127.0.0.1:{port}", clients=3)
-            try:
-                time.sleep(1)  # the load reaches both workers before the restart begins
-                fleet.send_signal(signal.SIGHUP)
-                _wait_for_line(log_path, "rolling restart done", fleet, timeout=180)
-                # Both restarted workers are back in rotation: each finishes requests of the load.
-                after = [_finished(url) for url in workers]
-                _wait_until(lambda: all(_finished(u) > n for u, n in zip(workers, after, strict=True)))
-            finally:
-                load.stop()
-            assert not load.failures, load.failures[:5]
-            assert load.completed > 0
-            fleet.send_signal(signal.SIGTERM)
-            assert fleet.wait(120) == 0, log_path.read_text()[-3000:]
+            time.sleep(1)  # the load reaches both workers before the restart begins
+            fleet.process.send_signal(signal.SIGHUP)
+            fleet.wait_for("rolling restart done", timeout=180)
+            # Both restarted workers are back in rotation: each finishes requests of the load.
+            after = [_finished(url) for url in fleet.workers]
+            wait_until(lambda: all(_finished(u) > n for u, n in zip(fleet.workers, after, strict=True)), 30,
+                       "both restarted workers finishing requests", interval=0.2)
         finally:
-            if fleet.poll() is None:
-                fleet.kill()
-    _, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive, f"left running: {alive}"
-    assert all(port_is_free(p) for p in (port, port + 1, port + 2))
-    log = log_path.read_text()
+            load.stop()
+        assert not load.failures, load.failures[:5]
+        assert load.completed > 0
+        log = fleet.stop()
     assert re.findall(r"worker (\d) restarted", log) == ["0", "1"]
     # The workers' access logs keep the requests and leave out the router's checks, one a second.
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in log and '"GET /ready HTTP/1.1"' not in log
 
 
 def test_a_fleet_stopped_while_its_workers_start_starts_no_router_and_leaves_nothing(tmp_path):
-    port = _ports_in_a_row(3)
-    log_path = tmp_path / "fleet.log"
-    with open(log_path, "w") as log:
-        fleet = subprocess.Popen([str(GRACELM), "fleet", str(tiny_model()), "--port", str(port)],
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            # A worker loads its model: the fleet has set its signal handlers before it started them.
-            _wait_for_line(log_path, "gracelm.model.loader", fleet)
-            children = psutil.Process(fleet.pid).children(recursive=True)
-            fleet.send_signal(signal.SIGTERM)
-            assert fleet.wait(120) == 0, log_path.read_text()[-3000:]
-        finally:
-            if fleet.poll() is None:
-                fleet.kill()
-    _, alive = psutil.wait_procs(children, timeout=10)
-    assert not alive, f"left running: {alive}"
-    assert all(port_is_free(p) for p in (port, port + 1, port + 2))
-    text = log_path.read_text()
-    assert "fleet stopping" in text and "fleet ready" not in text
-
-
-def _wait_for_line(path: Path, text: str, child: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in path.read_text():
-            return
-        assert child.poll() is None, path.read_text()[-3000:]
-        time.sleep(0.2)
-    raise TimeoutError(f"{text!r} not logged:\n{path.read_text()[-3000:]}")
-
-
-def _wait_until(condition, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
+    with Fleet(tmp_path) as fleet:
+        # A worker loads its model: the fleet has set its signal handlers before it started them.
+        fleet.wait_for("gracelm.model.loader")
+        fleet.capture()
+        log = fleet.stop()
+    assert "fleet stopping" in log and "fleet ready" not in log
 
 
 def test_a_router_script_refuses_a_grace_period_shorter_than_its_health_checks():
