@@ -209,8 +209,10 @@ def test_unknown_model(server):
 
 
 def test_unknown_route_and_method(server):
-    _error(httpx.get(f"{server.url}/v1/nothing"), 404)
-    _error(httpx.get(f"{server.url}/v1/completions"), 405)
+    missing = _error(httpx.get(f"{server.url}/v1/nothing"), 404, code="not_found")
+    assert "GET /v1/nothing" in missing["message"], missing
+    wrong = _error(httpx.get(f"{server.url}/v1/completions"), 405, code="method_not_allowed")
+    assert "GET /v1/completions" in wrong["message"] and "POST" in wrong["message"], wrong
 
 
 def test_oversize_body(server):

@@ -90,12 +90,28 @@ def install_error_handlers(app: FastAPI) -> None:
                         code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, _http_message(request, exc), code=_HTTP_CODES.get(exc.status_code),
+                        headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return unexpected_error(request.url.path).response()
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def _http_message(request: Request, exc: StarletteHTTPException) -> str:
+    """The framework's own errors in words that name what was asked: its "Not Found" says neither the
+    method nor the path, which a client that built a wrong URL needs to see."""
+    asked = f"{request.method} {request.url.path}"
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        return f"no route {asked} on this server (the API is under /v1; GET /openapi.json lists every route)"
+    if exc.status_code == 405:
+        allowed = exc.headers.get("Allow") if exc.headers else None
+        return f"{asked} is not allowed" + (f"; this path takes {allowed}" if allowed else "")
+    return str(exc.detail)
 
 
 def unexpected_error(path: str) -> APIError:

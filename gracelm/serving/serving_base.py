@@ -22,7 +22,7 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import msgspec
 from fastapi.responses import StreamingResponse
@@ -214,9 +214,10 @@ class ServingBase:
         return final
 
     @staticmethod
-    def sse(events: AsyncGenerator[str], run: Run) -> StreamingResponse:
-        """The response of an endpoint's SSE events over `run`, ended as every stream ends (`_ended`)."""
-        return _AdmittedStream(_ended(events), run)
+    def sse(events: AsyncGenerator[str], run: Run, dialect: SseDialect | None = None) -> StreamingResponse:
+        """The response of an endpoint's SSE events over `run`, ended as every stream of its API ends
+        (`_ended`; `dialect`: that API's error event and last line; None: chat's and completions')."""
+        return _AdmittedStream(_ended(events, dialect or OPENAI_SSE), run)
 
     @staticmethod
     def with_prompt_logprobs(params: SamplingParams, stream: bool, *counts: int | None) -> SamplingParams:
@@ -267,29 +268,47 @@ class StreamTally:
         self.aborted = self.aborted or output.finish_reason == "abort"
         self.failed = self.failed or output.finish_reason == "error"
 
-    def error_event(self, request_id: str) -> str | None:
-        """The event after the last chunk of a request that did not end well: never a silent end after
+    def error(self, request_id: str) -> APIError | None:
+        """What a request that did not end well ends with, after its last chunk: never a silent end after
         half an answer."""
         if self.failed:
-            return sse_data(failed_error(request_id).body())
+            return failed_error(request_id)
         if self.aborted:
-            return sse_data(aborted_error().body())
+            return aborted_error()
         return None
+
+    def error_event(self, request_id: str) -> str | None:
+        """`error` as OpenAI's chat and completions streams send it."""
+        error = self.error(request_id)
+        return None if error is None else OPENAI_SSE.error_event(error)
 
     def usage(self) -> Usage:
         return usage_of(self.num_prompt_tokens, self.completion_tokens)
 
 
-async def _ended(events: AsyncGenerator[str]) -> AsyncGenerator[str]:
-    """`events`, then an error event if they raised an `APIError` (the engine died), and `[DONE]` in every
-    case. Closing this closes `events`, which aborts the request in the engine."""
+@dataclasses.dataclass(frozen=True)
+class SseDialect:
+    """How one API's streams end: the event an error becomes, and the line after the last event (None:
+    none; the Responses and Messages APIs end with their own final event)."""
+
+    error_event: Callable[[APIError], str]
+    last_line: str | None
+
+
+OPENAI_SSE = SseDialect(lambda error: sse_data(error.body()), DONE)
+
+
+async def _ended(events: AsyncGenerator[str], dialect: SseDialect) -> AsyncGenerator[str]:
+    """`events`, then an error event if they raised an `APIError` (the engine died), and the dialect's last
+    line in every case. Closing this closes `events`, which aborts the request in the engine."""
     async with contextlib.aclosing(events):
         try:
             async for event in events:
                 yield event
         except APIError as exc:
-            yield sse_data(exc.body())
-    yield DONE
+            yield dialect.error_event(exc)
+    if dialect.last_line is not None:
+        yield dialect.last_line
 
 
 class _AdmittedStream(StreamingResponse):
