@@ -107,6 +107,8 @@ class _Probes:
 
 def test_a_flood_beyond_the_bound_gets_429s_and_the_admitted_complete(bounded):
     before = _rejections(bounded)
+    admitted_before = {api: _metric(bounded, "gracelm_api_requests_total", api=api)
+                       for api in ("completions", "chat_completions")}
     client = openai.OpenAI(base_url=f"{bounded.url}/v1", api_key="none", max_retries=0, timeout=120)
     with _Probes(bounded.url) as probes, ThreadPoolExecutor(12) as pool:
         longs = [Stream(bounded.url, LONG) for _ in range(2)]
@@ -141,6 +143,10 @@ def test_a_flood_beyond_the_bound_gets_429s_and_the_admitted_complete(bounded):
     assert probes.statuses and set(probes.statuses) == {200}, probes.statuses
     after = _rejections(bounded)
     assert after == {"queue_full": before["queue_full"] + 12, "queue_wait": before["queue_wait"]}
+    # Only the admitted count by API: the two long streams and the two of the flood that fit.
+    admitted_after = {api: _metric(bounded, "gracelm_api_requests_total", api=api) for api in admitted_before}
+    assert admitted_after == {"completions": admitted_before["completions"] + 4,
+                              "chat_completions": admitted_before["chat_completions"]}
     _assert_idle(bounded)
 
 

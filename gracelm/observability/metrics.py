@@ -40,6 +40,8 @@ BATCH_LINE_STATES = ("queued", "running", "completed", "failed")
 # Why a request was answered 429 (`serving/admission_control.py`): its admission would have passed
 # --max-num-queued-reqs, or it waited --max-queue-wait without an output.
 REJECTION_REASONS = ("queue_full", "queue_wait")
+# The APIs a request can come through (`ServingBase.start`); a batch line counts as its endpoint's.
+APIS = ("chat_completions", "completions", "responses", "messages")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,8 @@ METRICS = (
     _counter("request_rejections", "request_rejections", "Requests answered 429 because the server had "
              "enough work, by reason: queue_full (--max-num-queued-reqs), queue_wait (--max-queue-wait).",
              ("reason",), vllm=False),
+    _counter("api_requests", "api_requests", "Requests admitted to the engine, by the API they came "
+             "through.", ("api",), vllm=False),
     _histogram("ttft", "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
     _histogram("itl", "inter_token_latency_seconds", "Time between two outputs of a request.", ITL_BUCKETS),
     _histogram("e2e", "e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS),
@@ -176,6 +180,8 @@ class ServerMetrics:
             self.request_faults.labels(**self._label, stage=stage)
         for reason in REJECTION_REASONS:
             self.request_rejections.labels(**self._label, reason=reason)
+        for api in APIS:
+            self.api_requests.labels(**self._label, api=api)
         for reason in FINISH_REASONS:
             self.finished.labels(**self._label, finished_reason=reason)
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
@@ -253,6 +259,10 @@ class ServerMetrics:
     def count_rejection(self, reason: str) -> None:
         """One request answered 429, for one of `REJECTION_REASONS`."""
         self.request_rejections.labels(**self._label, reason=reason).inc()
+
+    def count_api_request(self, api: str) -> None:
+        """One request started through `api` (one of `APIS`)."""
+        self.api_requests.labels(**self._label, api=api).inc()
 
     def set_crashed_lines(self, count: int) -> None:
         """The lines this start failed as the cause of crashes (`Journal.crash_culprits`)."""

@@ -59,7 +59,7 @@ class ServingChat(ServingBase):
         prompt_ids, params, tools, top = plan.prompt_ids, plan.params, plan.tools, plan.top
         request_id = client.request_id(req.named_id, "chatcmpl")
         run = await self.start(client, [prompt_ids], params, request_id, "messages",
-                               priority=client.priority(req.priority))
+                               api="chat_completions", priority=client.priority(req.priority))
         echo = chat_prompt.echo_text(req)
         # OpenAI names the tier that served the request when one was asked for: here, always the default.
         tier = "default" if req.service_tier is not None else None

@@ -52,7 +52,7 @@ class ServingCompletion(ServingBase):
         prompts, params = plan.prompts, plan.params
         request_id = client.request_id(req.named_id, "cmpl")
         run = await self.start(client, prompts, params, request_id, "prompt",
-                               priority=client.priority(req.priority))
+                               api="completions", priority=client.priority(req.priority))
         echoes = [self.engine.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
                   for ids in prompts]
         num_prompt_tokens = sum(len(ids) for ids in prompts)
