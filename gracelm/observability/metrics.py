@@ -165,6 +165,7 @@ class ServerMetrics:
         self._core_states = core_states
         # Plain running totals of this process, for the periodic stats log line's throughput.
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.api_totals = dict.fromkeys(APIS, 0)  # the status page's requests by API
         self.throughput = ThroughputHistory()  # the status page's chart
         self._engine_totals: dict[str, int] = {}  # the engine's running counts already added to counters
         self._kernel_paths: dict[str, str] = {}  # those last set to 1
@@ -263,6 +264,7 @@ class ServerMetrics:
     def count_api_request(self, api: str) -> None:
         """One request started through `api` (one of `APIS`)."""
         self.api_requests.labels(**self._label, api=api).inc()
+        self.api_totals[api] += 1
 
     def set_crashed_lines(self, count: int) -> None:
         """The lines this start failed as the cause of crashes (`Journal.crash_culprits`)."""

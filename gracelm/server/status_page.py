@@ -1,9 +1,9 @@
 """The live status page: `/status` (one self-contained HTML page: inline CSS, an inline script that polls
 `/status.json` every 2 s and draws its charts as inline SVG; no external asset, no build step) and
-`/status.json` (what the page shows): the server's state, uptime, model, the requests in flight with
-their progress, KV-cache use, prefix-cache hits, output tokens per second over the last ten minutes,
-during a drain its deadline and what is left, the progress of each batch not at its end (with
-`--state-dir`), and the last stop's report kept in `--state-dir`.
+`/status.json` (what the page shows): the server's state, uptime, model, the requests in flight with their
+progress, the requests admitted by API (chat, completions, Responses, Messages), KV-cache use, prefix-cache
+hits, output tokens per second over the last ten minutes, during a drain its deadline and what is left, the
+progress of each batch not at its end (with `--state-dir`), and the last stop's report kept in `--state-dir`.
 
 Access follows the API key: without one both are open; with one `/status.json` needs `Authorization:
 Bearer KEY` like `/v1`, and `/status` takes the same header or `?key=KEY`, since a browser cannot send a
@@ -121,6 +121,7 @@ def _snapshot(engine: AsyncEngine, stats: dict | None, settings: ServerConfig, s
             "listed": [_request_view(r, now, engine.config.max_model_len)
                        for r in open_requests[:MAX_LISTED_REQUESTS]],
             "not_listed": max(0, len(open_requests) - MAX_LISTED_REQUESTS),
+            "admitted_by_api": dict(metrics.api_totals),  # since the start
         },
         "engine": _engine_view(stats),
         "throughput": {"bucket_s": metrics.throughput.bucket_s,
