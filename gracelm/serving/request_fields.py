@@ -80,89 +80,89 @@ class Unsupported:
     reason: str
 
 
-def _unset(value: Any) -> bool:
+def unset(value: Any) -> bool:
     return value is None or value in ({}, [], "")
 
 
-def _one_of(*values: Any) -> Callable[[Any], bool]:
+def one_of(*values: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or value in values
 
 
 UNSUPPORTED: dict[str, Unsupported] = {
     # OpenAI's
-    "audio": Unsupported(_unset, "audio output is not supported; this server generates text"),
-    "modalities": Unsupported(_one_of(["text"]), 'only the "text" modality is supported'),
-    "prediction": Unsupported(_unset, "predicted outputs are not supported"),
-    "store": Unsupported(_one_of(False), "stored completions are not supported"),
-    "service_tier": Unsupported(_one_of("auto", "default"), 'only the "auto" and "default" tiers exist'),
-    "verbosity": Unsupported(_unset, "verbosity is not supported"),
-    "web_search_options": Unsupported(_unset, "web search is not supported"),
-    "moderation": Unsupported(_unset, "moderation is not supported"),
-    "prompt_cache_retention": Unsupported(_one_of("in_memory"),
+    "audio": Unsupported(unset, "audio output is not supported; this server generates text"),
+    "modalities": Unsupported(one_of(["text"]), 'only the "text" modality is supported'),
+    "prediction": Unsupported(unset, "predicted outputs are not supported"),
+    "store": Unsupported(one_of(False), "stored completions are not supported"),
+    "service_tier": Unsupported(one_of("auto", "default"), 'only the "auto" and "default" tiers exist'),
+    "verbosity": Unsupported(unset, "verbosity is not supported"),
+    "web_search_options": Unsupported(unset, "web search is not supported"),
+    "moderation": Unsupported(unset, "moderation is not supported"),
+    "prompt_cache_retention": Unsupported(one_of("in_memory"),
                                           'only "in_memory" retention exists (the prefix cache)'),
-    "prompt_cache_options": Unsupported(_unset, "prompt cache options are not supported"),
-    "functions": Unsupported(_unset, "functions (deprecated) are not supported; use tools"),
-    "function_call": Unsupported(_one_of("none"), "function_call (deprecated) is not supported; use "
+    "prompt_cache_options": Unsupported(unset, "prompt cache options are not supported"),
+    "functions": Unsupported(unset, "functions (deprecated) are not supported; use tools"),
+    "function_call": Unsupported(one_of("none"), "function_call (deprecated) is not supported; use "
                                                   "tool_choice"),
-    "suffix": Unsupported(_unset, "suffix (insertion) is not supported"),
+    "suffix": Unsupported(unset, "suffix (insertion) is not supported"),
     # vLLM's
-    "use_beam_search": Unsupported(_one_of(False), "beam search is not supported"),
-    "length_penalty": Unsupported(_one_of(1.0), "length_penalty applies to beam search, which is not "
+    "use_beam_search": Unsupported(one_of(False), "beam search is not supported"),
+    "length_penalty": Unsupported(one_of(1.0), "length_penalty applies to beam search, which is not "
                                                 "supported"),
-    "mm_processor_kwargs": Unsupported(_unset, "multimodal inputs are not supported"),
-    "logits_processors": Unsupported(_unset, "custom logits processors are not supported"),
-    "return_token_ids": Unsupported(_one_of(False), "return_token_ids is not supported"),
-    "cache_salt": Unsupported(_unset, "cache_salt is not supported"),
-    "kv_transfer_params": Unsupported(_unset, "KV transfer (disaggregated serving) is not supported"),
-    "vllm_xargs": Unsupported(_unset, "vllm_xargs is not supported"),
-    "prompt_embeds": Unsupported(_unset, "prompt embeddings are not supported"),
-    "media_io_kwargs": Unsupported(_unset, "multimodal inputs are not supported"),
+    "mm_processor_kwargs": Unsupported(unset, "multimodal inputs are not supported"),
+    "logits_processors": Unsupported(unset, "custom logits processors are not supported"),
+    "return_token_ids": Unsupported(one_of(False), "return_token_ids is not supported"),
+    "cache_salt": Unsupported(unset, "cache_salt is not supported"),
+    "kv_transfer_params": Unsupported(unset, "KV transfer (disaggregated serving) is not supported"),
+    "vllm_xargs": Unsupported(unset, "vllm_xargs is not supported"),
+    "prompt_embeds": Unsupported(unset, "prompt embeddings are not supported"),
+    "media_io_kwargs": Unsupported(unset, "multimodal inputs are not supported"),
     # SGLang's (vllm-router and sglang-router add several at their defaults to every body they forward)
-    "stop_regex": Unsupported(_unset, "stop_regex is not supported; use stop"),
-    "return_hidden_states": Unsupported(_one_of(False), "hidden states are not returned"),
-    "return_routed_experts": Unsupported(_one_of(False), "this server serves no mixture-of-experts model"),
-    "return_cached_tokens_details": Unsupported(_one_of(False), "return_cached_tokens_details is not "
+    "stop_regex": Unsupported(unset, "stop_regex is not supported; use stop"),
+    "return_hidden_states": Unsupported(one_of(False), "hidden states are not returned"),
+    "return_routed_experts": Unsupported(one_of(False), "this server serves no mixture-of-experts model"),
+    "return_cached_tokens_details": Unsupported(one_of(False), "return_cached_tokens_details is not "
                                                                 "supported"),
-    "return_prompt_token_ids": Unsupported(_one_of(False), "return_prompt_token_ids is not supported"),
-    "return_meta_info": Unsupported(_one_of(False), "return_meta_info is not supported"),
-    "lora_path": Unsupported(_unset, "LoRA adapters are not supported"),
-    "session_id": Unsupported(_unset, "sessions are not supported"),
-    "session_params": Unsupported(_unset, "sessions are not supported"),
-    "custom_logit_processor": Unsupported(_unset, "custom logits processors are not supported"),
-    "custom_params": Unsupported(_unset, "custom_params (for custom logits processors) is not supported"),
-    "images_config": Unsupported(_unset, "multimodal inputs are not supported"),
-    "max_dynamic_patch": Unsupported(_unset, "multimodal inputs are not supported"),
-    "min_dynamic_patch": Unsupported(_unset, "multimodal inputs are not supported"),
-    "use_audio_in_video": Unsupported(_one_of(False), "multimodal inputs are not supported"),
-    "input_ids": Unsupported(_unset, "input_ids is not supported; send messages, or a prompt of token ids "
+    "return_prompt_token_ids": Unsupported(one_of(False), "return_prompt_token_ids is not supported"),
+    "return_meta_info": Unsupported(one_of(False), "return_meta_info is not supported"),
+    "lora_path": Unsupported(unset, "LoRA adapters are not supported"),
+    "session_id": Unsupported(unset, "sessions are not supported"),
+    "session_params": Unsupported(unset, "sessions are not supported"),
+    "custom_logit_processor": Unsupported(unset, "custom logits processors are not supported"),
+    "custom_params": Unsupported(unset, "custom_params (for custom logits processors) is not supported"),
+    "images_config": Unsupported(unset, "multimodal inputs are not supported"),
+    "max_dynamic_patch": Unsupported(unset, "multimodal inputs are not supported"),
+    "min_dynamic_patch": Unsupported(unset, "multimodal inputs are not supported"),
+    "use_audio_in_video": Unsupported(one_of(False), "multimodal inputs are not supported"),
+    "input_ids": Unsupported(unset, "input_ids is not supported; send messages, or a prompt of token ids "
                                      "to /v1/completions"),
-    "task": Unsupported(_unset, "task (DeepSeek-V4's quick instructions) is not supported"),
-    "extra_key": Unsupported(_unset, "extra_key is not supported"),
-    "ngram_corpus_id": Unsupported(_unset, "n-gram speculation corpora are not supported"),
-    "custom_labels": Unsupported(_unset, "custom metric labels are not supported"),
-    "bootstrap_host": Unsupported(_unset, "prefill-decode disaggregation is not supported"),
-    "bootstrap_port": Unsupported(_unset, "prefill-decode disaggregation is not supported"),
-    "bootstrap_room": Unsupported(_unset, "prefill-decode disaggregation is not supported"),
-    "disagg_prefill_dp_rank": Unsupported(_unset, "prefill-decode disaggregation is not supported"),
+    "task": Unsupported(unset, "task (DeepSeek-V4's quick instructions) is not supported"),
+    "extra_key": Unsupported(unset, "extra_key is not supported"),
+    "ngram_corpus_id": Unsupported(unset, "n-gram speculation corpora are not supported"),
+    "custom_labels": Unsupported(unset, "custom metric labels are not supported"),
+    "bootstrap_host": Unsupported(unset, "prefill-decode disaggregation is not supported"),
+    "bootstrap_port": Unsupported(unset, "prefill-decode disaggregation is not supported"),
+    "bootstrap_room": Unsupported(unset, "prefill-decode disaggregation is not supported"),
+    "disagg_prefill_dp_rank": Unsupported(unset, "prefill-decode disaggregation is not supported"),
     # One data-parallel rank: 0 is where every request runs anyway.
-    "routed_dp_rank": Unsupported(_one_of(0), "this server has one data-parallel rank, 0"),
-    "data_parallel_rank": Unsupported(_one_of(0), "this server has one data-parallel rank, 0"),
+    "routed_dp_rank": Unsupported(one_of(0), "this server has one data-parallel rank, 0"),
+    "data_parallel_rank": Unsupported(one_of(0), "this server has one data-parallel rank, 0"),
     # Structured outputs: one backend, and JSON's whitespace is always compact (`constraint_fields`).
-    "guided_decoding_backend": Unsupported(_one_of("auto", "guidance", "llguidance"),
+    "guided_decoding_backend": Unsupported(one_of("auto", "guidance", "llguidance"),
                                            "the only structured-output backend is llguidance"),
-    "guided_whitespace_pattern": Unsupported(_unset, "guided_whitespace_pattern is not supported: JSON is "
+    "guided_whitespace_pattern": Unsupported(unset, "guided_whitespace_pattern is not supported: JSON is "
                                                      "generated with compact whitespace"),
 }
 # Fields of a chat message refused the same way (param `messages.N.field`).
 UNSUPPORTED_IN_MESSAGES: dict[str, Unsupported] = {
-    "function_call": Unsupported(_unset, "function_call (deprecated) is not supported; use tool_calls"),
-    "audio": Unsupported(_unset, "audio is not supported"),
+    "function_call": Unsupported(unset, "function_call (deprecated) is not supported; use tool_calls"),
+    "audio": Unsupported(unset, "audio is not supported"),
 }
 
 
 def refuse_unsupported(req: BaseModel) -> None:
     """A 400 naming the first field set to a value this server cannot honour."""
-    _refuse(req, UNSUPPORTED, "")
+    refuse_fields(req, UNSUPPORTED, "")
     best_of, n = getattr(req, "best_of", None), getattr(req, "n", 1)
     if best_of is not None and best_of != n:
         raise APIError(400, f"best_of is not supported by this server: only best_of equal to n ({n}) is, "
@@ -172,14 +172,16 @@ def refuse_unsupported(req: BaseModel) -> None:
         raise APIError(400, "stream_options.include_obfuscation is not supported by this server",
                        param="stream_options.include_obfuscation", code="unsupported_parameter")
     for index, message in enumerate(getattr(req, "messages", None) or []):
-        _refuse(message, UNSUPPORTED_IN_MESSAGES, f"messages.{index}.")
+        refuse_fields(message, UNSUPPORTED_IN_MESSAGES, f"messages.{index}.")
     named, rid = getattr(req, "request_id", None), getattr(req, "rid", None)
     if named is not None and rid is not None and named != rid:
         raise APIError(400, f"rid ({rid!r}) and request_id ({named!r}) name the request twice, "
                             f"differently; send one", param="rid", code="invalid_value")
 
 
-def _refuse(model: BaseModel, table: dict[str, Unsupported], prefix: str) -> None:
+def refuse_fields(model: BaseModel, table: dict[str, Unsupported], prefix: str) -> None:
+    """A 400 naming the first field of `model` listed in `table` whose value it does not accept (`prefix`:
+    where the model sits in the body); each API's request refuses its fields through this."""
     for name, rule in table.items():
         if name not in model.model_fields_set:
             continue
