@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import pytest
 
 from gracelm.serving import tool_parsers
@@ -181,12 +182,32 @@ def test_a_template_without_tools_gets_the_default_section_and_the_history_in_it
     assert "<|im_start|>user\n<tool_response>\n-3 degrees and snow\n</tool_response><|im_end|>" in text
 
 
-def test_history_call_arguments_must_be_a_json_object() -> None:
-    bad = [(
-        [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}], None)]
-    with pytest.raises(APIError) as caught:
-        template_messages([{"role": "assistant", "content": ""}], bad, None, True)
-    assert caught.value.param == "messages.0.tool_calls.0.function.arguments"
+# Arguments a client may send back: cut off at max_tokens, a JSON array, plain text, a JSON string.
+UNPARSED_ARGUMENTS = ['{"city": "Os', "[1, 2]", "not json", '"Oslo"']
+
+
+def _history_with_arguments(arguments: str) -> tuple[list[dict], list]:
+    plain = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": ""}]
+    calls = [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]
+    return plain, [(None, None), (calls, None)]
+
+
+@pytest.mark.parametrize("arguments", UNPARSED_ARGUMENTS)
+def test_history_call_arguments_other_than_an_object_reach_the_template_as_the_string(arguments: str) -> None:
+    from gracelm.model.tokenizer import _compiled
+    from tests.tiny_models import CHATML_TEMPLATE
+
+    plain, history = _history_with_arguments(arguments)
+    messages = template_messages(plain, history, [WEATHER], True)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == arguments
+    text = _compiled(TOOLS_TEMPLATE).render(messages=messages, tools=[WEATHER])
+    assert f"<tool_call>get_weather {json.dumps(arguments)}</tool_call>" in text
+    as_it_is = "{% for c in messages[1].tool_calls %}{{ c.function.arguments }}{% endfor %}"
+    assert _compiled(as_it_is).render(messages=messages) == arguments
+    messages = template_messages(plain, history, [WEATHER], False)
+    text = _compiled(CHATML_TEMPLATE).render(messages=messages)
+    listed = json.dumps([{"name": "get_weather", "arguments": arguments}])
+    assert f"<|im_start|>assistant\n<tool_call>{listed}</tool_call><|im_end|>" in text
 
 
 # -- the answer's shapes -------------------------------------------------------------------------------
@@ -366,6 +387,26 @@ def test_a_tool_result_in_the_history_reaches_the_template(server, client) -> No
     assert without.usage.prompt_tokens < answer.usage.prompt_tokens
 
 
+def test_a_call_cut_off_at_max_tokens_can_be_sent_back(server, client) -> None:
+    # LangChain's case: the cut-off call goes back in the history as the answer gave it, then its result.
+    named = {"type": "function", "function": {"name": "get_forecast"}}
+    cut = client.chat.completions.create(model="any", messages=USER, tools=[FORECAST], tool_choice=named,
+                                         max_tokens=3).choices[0]
+    assert cut.finish_reason == "length"
+    arguments = cut.message.tool_calls[0].function.arguments
+    with pytest.raises(ValueError):
+        json.loads(arguments)
+    result = {"role": "tool", "tool_call_id": cut.message.tool_calls[0].id, "content": "Cut off: try again."}
+    history = [*USER, cut.message.model_dump(exclude_none=True), result]
+    answer = client.chat.completions.create(model="any", messages=history, tools=[FORECAST], max_tokens=1)
+    body = {"model": "any", "messages": history, "tools": [FORECAST], "max_tokens": 1}
+    ids = httpx.post(f"{server.url}/v1/chat/completions/render", json=body, timeout=60).json()["token_ids"]
+    assert answer.usage.prompt_tokens == len(ids)
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+    listed = json.dumps([{"name": "get_forecast", "arguments": arguments}])
+    assert f"<tool_call>{listed}</tool_call>" in text
+
+
 def test_auto_choice_reads_a_call_the_model_writes(client) -> None:
     # The model is made to write a call in the default section's form; `auto` must read it out.
     written = 'Let me check. <tool_call>[{"name": "get_alerts", "arguments": {"level": "high"}}]</tool_call>'
@@ -393,7 +434,7 @@ def test_tool_fields_refused_name_the_field(client) -> None:
          "tool_choice.function.name"),
         (dict(tool_choice="required"), "tool_choice"),
         (dict(messages=[*USER, {"role": "assistant", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]),
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": 1}}]}]),
          "messages.1.tool_calls.0.function.arguments"),
     ]
     for fields, param in cases:

@@ -18,6 +18,12 @@ A chat template without a tools section (SmolLM2's, for one) gets the default to
 `<tool_call>[...]</tool_call>`, the form the smollm2 parser reads. Its tool history is written the same
 way: an assistant's calls as that form in its content, a tool's result as a user message in
 `<tool_response>` tags (Hermes' convention), since such a template has no turn of its own for either.
+
+A history call's arguments may be any string, as OpenAI takes them: a client sends back what the model
+wrote, a call cut off at max_tokens included. A JSON object reaches the template as the object; anything
+else (cut-off JSON, an array, plain text) as the string itself, which a template's `| tojson` writes as a JSON
+string and a template that tests `is string` (Qwen3's) writes as it is. The default call form writes it as
+a JSON string, so the list of calls stays JSON whatever the arguments.
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ class HistoryFunction(BaseModel):
     model_config = _STRICT
 
     name: str
-    arguments: str  # a JSON object, as OpenAI sends it
+    arguments: str  # any string, as OpenAI takes it; a JSON object when the model's call was whole
 
 
 class HistoryCall(BaseModel):
@@ -239,18 +245,20 @@ def template_messages(messages: list[dict], history: list[tuple[list[dict] | Non
 
 
 def _history_call(value: Any, index: int, j: int) -> dict:
-    where = f"messages.{index}.tool_calls.{j}"
-    call = _validated(HistoryCall, value, where)
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise APIError(400, f"{where}.function.arguments must be a JSON object, got "
-                            f"{_short(call.function.arguments)}", param=f"{where}.function.arguments")
-    # Templates write the arguments themselves (`| tojson`), so they get the object, as transformers gives it.
-    function = {"name": call.function.name, "arguments": arguments}
+    call = _validated(HistoryCall, value, f"messages.{index}.tool_calls.{j}")
+    function = {"name": call.function.name, "arguments": _history_arguments(call.function.arguments)}
     return {"id": call.id, "type": "function", "function": function}
+
+
+def _history_arguments(text: str) -> dict | str:
+    """A history call's arguments as templates get them: a JSON object as the object, since templates write
+    it themselves (`| tojson`), as transformers gives it; anything else (JSON cut off at max_tokens, an
+    array, plain text) as the string itself, which OpenAI accepts too."""
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        return text
+    return arguments if isinstance(arguments, dict) else text
 
 
 def _without_tool_turns(message: dict) -> dict:
