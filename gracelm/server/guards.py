@@ -99,7 +99,7 @@ async def _answer_unread(error: APIError, scope: Scope, receive: Receive, send: 
     """`error`, answered once what is left of the body is dropped (or after `_DRAIN_S`)."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(_drop_body(receive), _DRAIN_S)
-    await error.response()(scope, receive, send)
+    await error.response(scope["path"])(scope, receive, send)
 
 
 def _counted(receive: Receive, limit: int) -> Receive:
@@ -142,7 +142,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def api_key_dependency(api_keys: list[str]) -> APIKeyBearer:
-    """A FastAPI dependency demanding `Authorization: Bearer <key>`, any of `api_keys` (`APIKeyBearer`)."""
+    """A FastAPI dependency demanding `Authorization: Bearer <key>` or `x-api-key: <key>`, any of
+    `api_keys` (`APIKeyBearer`)."""
     return APIKeyBearer(api_keys)
 
 
@@ -156,11 +157,13 @@ def is_valid_key(token: bytes, api_keys: list[str]) -> bool:
 
 
 class APIKeyBearer(HTTPBearer):
-    """Demands `Authorization: Bearer <key>` with one of the keys, compared in constant time as UTF-8
-    bytes: the server reads headers as latin-1 (HTTP's own rule), so the header's original bytes are those
-    of its latin-1 text, and a non-ASCII key sent as UTF-8 matches. A FastAPI security scheme, so that the
-    OpenAPI schema declares it on the routes that need it; a missing or malformed header is our 401 with
-    OpenAI's body, not FastAPI's."""
+    """Demands `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's header, which its SDKs and
+    Claude Code send; taken on every route, as vLLM and SGLang take it) with one of the keys, compared in
+    constant time as UTF-8 bytes: the server reads headers as latin-1 (HTTP's own rule), so the header's
+    original bytes are those of its latin-1 text, and a non-ASCII key sent as UTF-8 matches. When both
+    headers come, the key of either lets the request in: both are the client's. A FastAPI security scheme,
+    so that the OpenAPI schema declares it on the routes that need it; a missing or malformed header is our
+    401 in the shape of the API asked (`api_errors.error_shape`), not FastAPI's."""
 
     def __init__(self, api_keys: list[str]) -> None:
         super().__init__(scheme_name="APIKey", description="One of the server's API keys (`--api-key`).",
@@ -169,10 +172,12 @@ class APIKeyBearer(HTTPBearer):
 
     async def __call__(self, request: Request) -> None:  # type: ignore[override]  # checks, returns nothing
         credentials = await super().__call__(request)
-        token = credentials.credentials.strip().encode("latin-1") if credentials is not None else None
-        if token is None or not is_valid_key(token, self._keys):
-            raise APIError(401, "missing or invalid API key; send `Authorization: Bearer <key>`",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        tokens = [credentials.credentials] if credentials is not None else []
+        tokens += request.headers.getlist("x-api-key")
+        if not any(is_valid_key(token.strip().encode("latin-1"), self._keys) for token in tokens):
+            raise APIError(401, "missing or invalid API key; send `Authorization: Bearer <key>` or "
+                                "`x-api-key: <key>`", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
@@ -206,7 +211,7 @@ class BrowserGuard:
             return
         problem = self._problem(scope)
         if problem is not None:
-            await problem.response()(scope, receive, send)
+            await problem.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -1,10 +1,15 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the right status."""
+"""Errors with the right status, in the shape of the API whose path was asked: OpenAI's,
+`{"error": {"message", "type", "param", "code"}}`, everywhere but under the paths of `ERROR_SHAPES`
+(Anthropic's Messages API: `{"type": "error", "error": {"type", "message"}}`). The choice is made by path
+where the error is answered (the handlers here, the guards' middleware), so that a route raises one
+`APIError` whatever API it serves."""
 
 from __future__ import annotations
 
 import logging
 import re
 import uuid
+from collections.abc import Callable
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -41,8 +46,35 @@ class APIError(Exception):
                          param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer to a request of `path`, in the shape of the API that serves it."""
+        return JSONResponse(error_shape(path)(self), status_code=self.status, headers=self.headers)
+
+
+# Anthropic's error types by status (its SDKs pick exception classes by status, and show the type).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_body(error: APIError) -> dict:
+    """`error` in Anthropic's shape; the field at fault is named in the message, its shape has no `param`."""
+    fallback = "api_error" if error.status >= 500 else "invalid_request_error"
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, fallback),
+                                       "message": error.message}}
+
+
+# The error shape of each API served under its own paths (a prefix: the path itself and those below it);
+# any other path answers OpenAI's.
+ERROR_SHAPES: dict[str, Callable[[APIError], dict]] = {"/v1/messages": anthropic_body}
+
+
+def error_shape(path: str) -> Callable[[APIError], dict]:
+    """How an error on `path` is shaped."""
+    for prefix, shape in ERROR_SHAPES.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return shape
+    return APIError.body
 
 
 _SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+) ")
@@ -71,32 +103,33 @@ def from_validation_error(exc: pydantic.ValidationError) -> APIError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Makes every error the app can produce, ours or the framework's, leave in OpenAI's shape."""
+    """Makes every error the app can produce, ours or the framework's, leave in the shape of the API whose
+    path was asked (`error_shape`)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(AdmissionRefused)
-    async def _refused(_: Request, exc: AdmissionRefused) -> JSONResponse:
+    async def _refused(request: Request, exc: AdmissionRefused) -> JSONResponse:
         headers = {"Retry-After": "1", **({"Connection": "close"} if exc.close else {})}
-        return APIError(503, str(exc), code=exc.code, headers=headers).response()
+        return APIError(503, str(exc), code=exc.code, headers=headers).response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return APIError(400, str(first.get("msg", "invalid request")), param=param,
-                        code="invalid_value").response()
+                        code="invalid_value").response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(exc.status_code, _http_message(request, exc), code=_HTTP_CODES.get(exc.status_code),
-                        headers=exc.headers).response()
+                        headers=exc.headers).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return unexpected_error(request.url.path).response()
+        return unexpected_error(request.url.path).response(request.url.path)
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
