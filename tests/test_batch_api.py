@@ -61,11 +61,14 @@ def test_a_batch_of_dozens_of_lines_answers_each_once_as_the_online_route(api, s
     batch = submit(api, jsonl(lines))
     assert batch.status == "validating" and batch.endpoint == "/v1/chat/completions"
     assert batch.expires_at - batch.created_at == 24 * 3600
+    assert batch.model is None and batch.usage is None  # given at the end
     done = wait_for(api, batch.id)
     assert done.status == "completed", done
     assert done.request_counts.total == 36 and done.request_counts.completed == 36
     assert done.error_file_id is None and done.in_progress_at and done.finalizing_at and done.completed_at
     answers = outputs(api, done)
+    assert done.model == api.models.list().data[0].id
+    _check_usage(done, answers)
     assert sorted(answers) == sorted(line["custom_id"] for line in lines)
     for line in lines[:4]:  # greedy: what the online route answers for the same body
         online = httpx.post(f"{server.url}/v1/chat/completions", json=line["body"], timeout=60,
@@ -77,6 +80,17 @@ def test_a_batch_of_dozens_of_lines_answers_each_once_as_the_online_route(api, s
         assert {**body, "id": online["id"], "created": online["created"]} == online
     assert api.batches.list(limit=1).data[0].id == done.id  # newest first
     assert api.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+
+def _check_usage(batch, answers: dict[str, dict]) -> None:
+    """The batch's usage: its 200 answers' tokens, summed; details 0."""
+    usages = [a["response"]["body"]["usage"] for a in answers.values()
+              if a["response"] and a["response"]["status_code"] == 200]
+    prompt, completion = (sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens"))
+    assert batch.usage.model_dump() == {
+        "input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+    assert prompt > 0 and completion > 0
 
 
 def test_completions_batch_and_the_files_routes(api):
@@ -113,6 +127,7 @@ def test_completions_batch_and_the_files_routes(api):
 def test_a_bad_input_file_fails_the_batch_with_openai_errors(api, content, code, line, param):
     failed = wait_for(api, submit(api, content).id)
     assert failed.status == "failed" and failed.failed_at and failed.request_counts.total == 0
+    assert failed.model is None and failed.usage.total_tokens == 0
     first = failed.errors.data[0]
     assert (first.code, first.line, first.param) == (code, line, param), failed.errors
     assert failed.output_file_id is None and failed.error_file_id is None
@@ -135,6 +150,7 @@ def test_a_body_the_api_would_refuse_is_that_lines_error_as_the_online_route_giv
     assert done.status == "completed", done
     assert (done.request_counts.completed, done.request_counts.failed) == (2, 7)
     answers = outputs(api, done)
+    _check_usage(done, answers)  # the two answered lines only
     for cid, body in bodies.items():
         online = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60,
                             headers={"Authorization": f"Bearer {API_KEY}"})
@@ -181,7 +197,8 @@ def test_bad_requests_to_the_routes_are_refused(api, server):
 def test_cancel_mid_batch_keeps_what_finished_and_reports_the_rest_cancelled(api, server):
     lines = chat_lines(48, max_tokens=16, ignore_eos=True)
     batch = submit(api, jsonl(lines))
-    wait_for(api, batch.id, lambda b: b.request_counts.completed >= 1)
+    running = wait_for(api, batch.id, lambda b: b.request_counts.completed >= 1)
+    assert running.usage is None  # given at the end, as OpenAI gives it
     # Progress while it runs, on the status page and in the metrics.
     status = httpx.get(f"{server.url}/status.json", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     shown = {b["id"]: b for b in status["batches"]}[batch.id]
@@ -201,6 +218,8 @@ def test_cancel_mid_batch_keeps_what_finished_and_reports_the_rest_cancelled(api
     assert unrun and all(a["error"]["code"] == "batch_cancelled" and a["response"] is None for a in unrun)
     counts = cancelled.request_counts
     assert counts.completed == len(answers) - len(unrun) >= 1 and counts.failed == len(unrun)
+    _check_usage(cancelled, answers)
+    assert cancelled.usage.output_tokens == 16 * counts.completed
 
 
 def test_a_file_whose_bytes_no_longer_match_their_checksum_is_refused(api, state_dir):

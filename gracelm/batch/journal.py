@@ -46,9 +46,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from gracelm.batch.objects import (
+    ENDED,
     OUTPUT_PURPOSE,
     TIMESTAMPS,
     BatchRecord,
+    BatchUsage,
     FileRecord,
     LineState,
     RequestCounts,
@@ -502,6 +504,20 @@ def _batch(db: sqlite3.Connection, batch_id: str) -> BatchRecord | None:
                              (batch_id,)).fetchall())
     request_counts = RequestCounts(sum(counts.values()), counts.get(LineState.COMPLETED, 0),
                                    counts.get(LineState.FAILED, 0))
+    model, usage = _answered(db, batch_id) if status in ENDED else (None, None)
     return BatchRecord(batch_id, endpoint, input_file_id, window, Status(status), created_at, expires_at,
                        times, output_file_id, error_file_id, None if errors is None else json.loads(errors),
-                       None if metadata is None else json.loads(metadata), request_counts)
+                       None if metadata is None else json.loads(metadata), request_counts, model, usage)
+
+
+def _answered(db: sqlite3.Connection, batch_id: str) -> tuple[str | None, BatchUsage]:
+    """The model a batch's 200 answers name and their tokens, summed from its stored results. Asked only of
+    a batch at its end, as OpenAI gives usage: the sum reads every result, which the polls of a batch in
+    progress would redo again and again."""
+    model, prompt, completion = db.execute(
+        "SELECT MIN(json_extract(output, '$.response.body.model')), "
+        "COALESCE(SUM(json_extract(output, '$.response.body.usage.prompt_tokens')), 0), "
+        "COALESCE(SUM(json_extract(output, '$.response.body.usage.completion_tokens')), 0) "
+        "FROM results WHERE batch_id = ? AND json_extract(output, '$.response.status_code') = 200",
+        (batch_id,)).fetchone()
+    return model, BatchUsage(prompt, completion)

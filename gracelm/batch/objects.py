@@ -4,7 +4,8 @@ counts, one line's output (the line format of the output and error files), and t
 A batch goes validating → in_progress → finalizing → completed; validating → failed (its input refused,
 `errors`); in_progress → cancelling → cancelled (`POST /v1/batches/{id}/cancel`), or → expired when its
 completion window passes. A cancelled or expired batch's lines that never ran get an output line with an
-`error` (`batch_cancelled`, `batch_expired`) in the error file, as OpenAI's do.
+`error` (`batch_cancelled`, `batch_expired`) in the error file, as OpenAI's do. A batch at its end names
+the model of its answers and their usage, summed (`journal.py` reads them from its results).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Status(enum.StrEnum):
 
 # Batches the runner still has work for.
 ACTIVE = (Status.VALIDATING, Status.IN_PROGRESS, Status.FINALIZING, Status.CANCELLING)
+# Batches at their end: nothing of theirs changes any more.
+ENDED = (Status.COMPLETED, Status.FAILED, Status.EXPIRED, Status.CANCELLED)
 
 
 class LineState(enum.StrEnum):
@@ -72,6 +75,21 @@ class RequestCounts:
     failed: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchUsage:
+    """A batch's tokens, summed over its lines' 200 answers (OpenAI's batch `usage`)."""
+
+    input_tokens: int
+    output_tokens: int
+
+    def to_openai(self) -> dict[str, Any]:
+        # Both details are 0: the prefix cache's hits are not counted per request, and no reasoning parser
+        # sets a model's thinking apart from its answer.
+        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.input_tokens + self.output_tokens}
+
+
 # The batch's timestamps, one per status it has entered (OpenAI's `<status>_at`).
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
               "cancelled_at")
@@ -92,6 +110,10 @@ class BatchRecord:
     errors: list[dict[str, Any]] | None
     metadata: dict[str, str] | None
     counts: RequestCounts
+    # At the batch's end (None before): the model its answers name (None: no line was answered) and
+    # their usage.
+    model: str | None
+    usage: BatchUsage | None
 
     def to_openai(self) -> dict[str, Any]:
         errors = None if self.errors is None else {"object": "list", "data": self.errors}
@@ -100,7 +122,8 @@ class BatchRecord:
                 "status": self.status.value, "output_file_id": self.output_file_id,
                 "error_file_id": self.error_file_id, "created_at": self.created_at,
                 "expires_at": self.expires_at, **self.times,
-                "request_counts": dataclasses.asdict(self.counts), "metadata": self.metadata}
+                "request_counts": dataclasses.asdict(self.counts), "metadata": self.metadata,
+                "model": self.model, "usage": None if self.usage is None else self.usage.to_openai()}
 
 
 def batch_error(code: str, message: str, line: int | None = None, param: str | None = None) -> dict[str, Any]:

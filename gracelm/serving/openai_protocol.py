@@ -492,6 +492,22 @@ class BatchRequestCounts(BaseModel):
     failed: int
 
 
+class BatchInputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class BatchOutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class BatchUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: BatchInputTokensDetails
+    output_tokens: int
+    output_tokens_details: BatchOutputTokensDetails
+    total_tokens: int
+
+
 class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
@@ -514,6 +530,8 @@ class BatchObject(BaseModel):
     cancelled_at: int | None = None
     request_counts: BatchRequestCounts
     metadata: dict[str, str] | None = None
+    model: str | None = None
+    usage: BatchUsage | None = None
 
 
 class BatchList(BaseModel):
