@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,28 @@ def in_range(low: float, high: float) -> Check:
         return f"must be between {low:g} and {high:g}, got {value!r}"
 
     return check
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_s(text: str) -> float:
+    """Seconds of a duration written as seconds (`3600`) or with a unit (`90s`, `30m`, `12h`, `30d`);
+    raises `ValueError`."""
+    m = _DURATION.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a duration: give seconds, or a number with s, m, h or d")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def positive_duration(value: Any) -> str | None:
+    """The check of an option that is a duration (`duration_s`) longer than 0."""
+    try:
+        seconds = duration_s(value)
+    except ValueError as exc:
+        return f"must be a duration: {exc}"
+    return None if seconds > 0 else f"must be longer than 0, got {value!r}"
 
 
 def _finite(value: Any) -> bool:

@@ -15,6 +15,9 @@ SHA-256 then commit atomically (no temporary file, rename and directory fsync, n
 crash), and `PRAGMA integrity_check` covers them. The cost, each byte written twice (WAL, then the
 checkpoint), is paid once per upload. The checksum is verified at every read.
 
+The same database keeps the Responses API's stored responses (the `responses` table; its code is
+`serving/response_store.py`), which a restart on DIR must find again.
+
 One process at a time: the journal holds an exclusive `flock` on `DIR/batches.lock` while open (released by
 the kernel when the process dies, even by SIGKILL); a second server on the same DIR fails to start.
 
@@ -64,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 DB_NAME = "batches.db"
 LOCK_NAME = "batches.lock"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Deaths of the server with a line in flight that make it a suspect, run alone.
 SUSPECT_AFTER = 2
 CRASHED_LINE = ("line_crashed_the_server", "This request was running, alone, when the server stopped "
@@ -121,6 +124,15 @@ CREATE TABLE IF NOT EXISTS results (
     PRIMARY KEY (batch_id, line),
     FOREIGN KEY (batch_id, line) REFERENCES lines (batch_id, line) ON DELETE CASCADE
 );
+-- The Responses API's stored responses (`serving/response_store.py`): the object, and the conversation
+-- it answered (`previous_response_id` continues it).
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    created_at INTEGER NOT NULL,
+    response TEXT NOT NULL,
+    input_items TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at);
 """
 _FILE_COLUMNS = "id, purpose, filename, bytes, sha256, created_at"
 _BATCH_COLUMNS = ("id, endpoint, input_file_id, completion_window, status, created_at, expires_at, "
@@ -180,6 +192,8 @@ class Journal:
         if version == 1:  # the lines' crash bookkeeping, added
             for column in ("in_flight", "crashes", "alone"):
                 self._db.execute(f"ALTER TABLE lines ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+            version = 2
+        if version == 2:  # the responses table, created with the schema below
             version = 0
         if version == 0:
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -213,6 +227,15 @@ class Journal:
     def _read(self) -> Iterator[sqlite3.Connection]:
         with self._mutex:
             yield self._db
+
+    def write_transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """One write transaction for another table's code (`serving/response_store.py`): committed when the
+        block ends, rolled back if it raises."""
+        return self._write()
+
+    def read_transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """The connection, for reads only, held by this thread until the block ends."""
+        return self._read()
 
     # -- files ---------------------------------------------------------------------------------------
 

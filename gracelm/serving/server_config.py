@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from gracelm import options
 from gracelm.lifecycle.last_shutdown import writable_dir_problem
-from gracelm.options import at_least, in_range, option
+from gracelm.options import at_least, in_range, option, positive_duration
 from gracelm.serving import tool_parsers
 from gracelm.serving.chat_template_option import chat_template_problem
 from gracelm.serving.generation_defaults import generation_config_problem
@@ -92,6 +92,11 @@ class ServerConfig:
                                          "stop's report, shown on /status, and batches.db, the journal of "
                                          "the files and batches of /v1/files and /v1/batches, which need it "
                                          "(default: none kept)", check=writable_dir_problem)
+    max_stored_responses: int = option(10000, "the most responses of the Responses API kept in --state-dir "
+                                              "(store); the oldest are dropped beyond it", check=at_least(1))
+    stored_response_max_age: str = option("30d", "how long a stored response of the Responses API is kept: "
+                                                 "seconds, or a number with s, m, h or d",
+                                          check=positive_duration)
 
     @property
     def quiet_paths(self) -> list[str]:
