@@ -34,6 +34,7 @@ from gracelm.server.guards import BodySizeLimit, BrowserGuard, api_key_dependenc
 from gracelm.server.openai_routes import openai_router, tokens_router
 from gracelm.server.openapi_docs import install_openapi
 from gracelm.server.ops_routes import metrics_router, package_version, probe_router
+from gracelm.server.responses_routes import responses_router
 from gracelm.server.status_page import status_router
 from gracelm.server.worker_routes import worker_routers
 from gracelm.serving.api_errors import install_error_handlers
@@ -74,6 +75,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     app.include_router(metrics_router(engine, state, metrics, progress, journal))
     v1 = openai_router(engine, served, chat, completion, auth)
     v1.include_router(batch_router(journal, runner))
+    v1.include_router(responses_router(chat, journal, settings))
     app.include_router(v1)
     app.include_router(tokens_router(engine, served, chat, auth))
     for router in worker_routers(engine, state, served, chat, completion, auth):
