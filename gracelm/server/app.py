@@ -31,6 +31,7 @@ from gracelm.observability.stats_logger import log_stats_forever
 from gracelm.server.batch_lines import BatchLines
 from gracelm.server.batch_routes import batch_router
 from gracelm.server.guards import BodySizeLimit, BrowserGuard, api_key_dependency, default_allowed_hosts
+from gracelm.server.messages_routes import messages_router
 from gracelm.server.openai_routes import openai_router, tokens_router
 from gracelm.server.openapi_docs import install_openapi
 from gracelm.server.ops_routes import metrics_router, package_version, probe_router
@@ -78,6 +79,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     v1.include_router(responses_router(chat, journal, settings))
     app.include_router(v1)
     app.include_router(tokens_router(engine, served, chat, auth))
+    app.include_router(messages_router(chat, auth))
     for router in worker_routers(engine, state, served, chat, completion, auth):
         app.include_router(router)
     app.include_router(status_router(engine, settings, state, metrics, served.model_name, progress))

@@ -58,10 +58,14 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 
 def anthropic_body(error: APIError) -> dict:
-    """`error` in Anthropic's shape; the field at fault is named in the message, its shape has no `param`."""
+    """`error` in Anthropic's shape, which has no `param`: the message names the field at fault, first
+    when it does not already."""
     fallback = "api_error" if error.status >= 500 else "invalid_request_error"
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, fallback),
-                                       "message": error.message}}
+    message = error.message
+    if error.param is not None and error.param not in message:
+        message = f"{error.param}: {message}"
+    kind = _ANTHROPIC_TYPES.get(error.status, fallback)
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # The error shape of each API served under its own paths (a prefix: the path itself and those below it);
