@@ -1,7 +1,8 @@
 """The `gracelm` command: `gracelm serve ...` (the HTTP server), `gracelm generate ...` (one prompt, streamed
-to stdout), `gracelm run-batch -i IN -o OUT ...` (a batch input file run offline, resumably) and `gracelm
+to stdout), `gracelm run-batch -i IN -o OUT ...` (a batch input file run offline, resumably), `gracelm
 deploy systemd|kubernetes|router ...` (a unit, manifests or a router's command line for `serve` with the
-same options, printed) and `gracelm fleet ...` (N workers behind a router on this host). The
+same options, printed), `gracelm fleet ...` (N workers behind a router on this host) and `gracelm tokenizer
+[MODEL] --out DIR` (the model's tokenizer as a Hugging Face tokenizer directory). The
 engine's options come from `EngineConfig` and the server's from `ServerConfig`, each declared once
 (`gracelm.options`); a bad value is a usage error (exit code 2) before anything starts.
 """
@@ -81,6 +82,24 @@ def _add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
 def run_batch(args: argparse.Namespace) -> int:
     # The engine and the serving code: imported only to run a batch.
     from gracelm.cli.run_batch import run_batch as run
+
+    return run(args)
+
+
+def _add_tokenizer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                        help="a Hugging Face model directory or a .gguf file (default: the default model)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write, new or empty")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an earlier export in DIR (never a directory holding other files)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template (a file, or inline Jinja) written instead of the model's, as "
+                             "`serve --chat-template` uses it")
+
+
+def run_tokenizer(args: argparse.Namespace) -> int:
+    # transformers, when the tokenizer is not in the cache: imported only to export one.
+    from gracelm.cli.tokenizer_export import run
 
     return run(args)
 
@@ -216,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     batch.set_defaults(handler=run_batch)
     _add_deploy_parsers(commands)
     _add_fleet_parser(commands)
+    tokenizer = commands.add_parser("tokenizer", help="write the model's tokenizer as a Hugging Face "
+                                                      "tokenizer directory (for guidellm, lm-eval)")
+    _add_tokenizer_arguments(tokenizer)
+    tokenizer.set_defaults(handler=run_tokenizer)
     return parser
 
 
