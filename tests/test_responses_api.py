@@ -298,7 +298,8 @@ def test_without_a_state_dir_nothing_is_stored(unstored):
     response = client.responses.create(model="any", input="hi", max_output_tokens=2)
     assert response.model_extra["store"] is False
     for fields, param in (({"store": True}, "store"), ({"previous_response_id": response.id},
-                                                       "previous_response_id")):
+                                                       "previous_response_id"),
+                          ({"previous_response_id": ""}, "previous_response_id")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(model="any", input="hi", max_output_tokens=2, **fields)
         assert caught.value.body["param"] == param and "--state-dir" in caught.value.body["message"]

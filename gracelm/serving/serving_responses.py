@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pydantic
 from fastapi.responses import StreamingResponse
@@ -122,11 +122,11 @@ class ServingResponses(ServingBase):
             refuse_fields(req.stream_options, UNSUPPORTED_IN_STREAM_OPTIONS, "stream_options.")
         _check_metadata(req.metadata)
         if not self.store.enabled:
-            for field, asked in (("store", req.store), (PREVIOUS, req.previous_response_id)):
-                if asked:
-                    raise APIError(400, f"{field}: responses are stored in the server's state directory, and "
-                                        f"this server runs without one: start it with --state-dir DIR",
-                                   param=field, code="state_dir_required")
+            asked = {"store": req.store is True, PREVIOUS: req.previous_response_id is not None}
+            for field in (name for name, given in asked.items() if given):
+                raise APIError(400, f"{field}: responses are stored in the server's state directory, and "
+                                    f"this server runs without one: start it with --state-dir DIR",
+                               param=field, code="state_dir_required")
         return req.store if req.store is not None else self.store.enabled
 
     async def _history(self, previous_id: str | None) -> list[dict[str, Any]]:
@@ -527,11 +527,11 @@ class _OutputBuilder:
         self._open.arguments += piece
         return [("response.function_call_arguments.delta", {**self._at(), "delta": piece})]
 
-    def _close(self, status: str) -> list[Event]:
+    def _close(self, status: Literal["completed", "incomplete"]) -> list[Event]:
         item = self._open
         if item is None:
             return []
-        item.status = status  # type: ignore[assignment]  # one of the item's statuses
+        item.status = status
         events: list[Event]
         if isinstance(item, OutputMessage):
             part = item.content[0]
