@@ -87,12 +87,14 @@ def _anthropic_error(response: httpx.Response, status: int, kind: str, *named: s
 
 # -- answers ----------------------------------------------------------------------------------------------
 
-def test_a_plain_message_has_anthropics_shape_and_counts_its_prompt(client) -> None:
+def test_a_plain_message_has_anthropics_shape_and_counts_its_prompt(server, client) -> None:
     fields = dict(model=MODEL, max_tokens=8, messages=USER, system="Answer briefly.")
     message = client.messages.create(**fields, metadata={"user_id": "u-1"}, service_tier="auto",
                                      extra_body={"temperature": 0.7, "top_p": 0.9, "top_k": 20})
     assert message.type == "message" and message.role == "assistant" and message.model == MODEL
-    assert message.id.startswith("msg")
+    assert message.id.startswith("msg_")
+    named = _post(server, "/v1/messages", BASE, **{"x-request-id": "mine-1"})
+    assert named.json()["id"] == "msg_mine-1" and named.headers["x-request-id"] == "mine-1"
     assert [block.type for block in message.content] in (["text"], [])
     assert message.stop_reason in ("end_turn", "max_tokens") and message.stop_sequence is None
     assert 1 <= message.usage.output_tokens <= 8

@@ -78,6 +78,10 @@ from gracelm.serving.serving_base import ServingBase, SseDialect, StreamTally
 from gracelm.serving.serving_chat import ChatPlan, ServingChat
 from gracelm.serving.tool_calls import StreamedChoice, ToolPlan, final_message
 
+# A message's id is Anthropic's prefix and its request's: the engine's id (in the log and the status page)
+# is `msg-` and the client's X-Request-Id or a fresh one, the message's `msg_` and the same.
+ENGINE_ID_PREFIX = "msg"
+MESSAGE_ID_PREFIX = "msg_"
 # Anthropic's prefix of a tool call's id, in the place of chat's.
 TOOL_ID_PREFIX = "toolu_"
 _CHAT_TOOL_ID_PREFIX = "call_"
@@ -107,17 +111,18 @@ class ServingMessages(ServingBase):
                      client: RequestClient) -> MessagesResponse | StreamingResponse:
         """The answer to `req`: a message, or with `stream` Anthropic's events; raises `APIError`."""
         plan = await self._plan(req)
-        request_id = client.request_id(None, "msg")
+        request_id = client.request_id(None, ENGINE_ID_PREFIX)
         run = await self.start(client, [plan.prompt_ids], plan.params, request_id, "messages", api="messages")
+        message_id = MESSAGE_ID_PREFIX + request_id.removeprefix(f"{ENGINE_ID_PREFIX}-")
         if req.stream:
-            return self.sse(self._stream(request_id, run.deltas, len(plan.prompt_ids), plan.tools), run,
-                            MESSAGES_SSE)
+            events = self._stream(message_id, request_id, run.deltas, len(plan.prompt_ids), plan.tools)
+            return self.sse(events, run, MESSAGES_SSE)
         final = await self.final_output(client, run)
         output = final.outputs[0]
         message, finish_reason = final_message(output.text, output.finish_reason, plan.tools)
         stop_reason, stop_sequence = _stop(finish_reason, output)
         usage = MessagesUsage(input_tokens=len(plan.prompt_ids), output_tokens=len(output.token_ids))
-        return MessagesResponse(id=request_id, content=_content(message), model=self.model_name,
+        return MessagesResponse(id=message_id, content=_content(message), model=self.model_name,
                                 stop_reason=stop_reason, stop_sequence=stop_sequence, usage=usage)
 
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
@@ -132,8 +137,8 @@ class ServingMessages(ServingBase):
         except APIError as exc:
             raise _renamed(exc, places) from None
 
-    async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
-                      tools: ToolPlan) -> AsyncGenerator[str]:
+    async def _stream(self, message_id: str, request_id: str, deltas: AsyncIterator[RequestOutput],
+                      num_prompt_tokens: int, tools: ToolPlan) -> AsyncGenerator[str]:
         """message_start; each content block's start, deltas and stop; message_delta (stop reason, output
         tokens) and message_stop; or, if the request was aborted or failed, an error event after what was
         sent (`sse` adds no last line)."""
@@ -141,7 +146,7 @@ class ServingMessages(ServingBase):
         streamed = StreamedChoice(tools)
         blocks = _BlockEvents()
         usage = MessagesUsage(input_tokens=num_prompt_tokens, output_tokens=0)
-        start = MessagesResponse(id=request_id, content=[], model=self.model_name, stop_reason=None,
+        start = MessagesResponse(id=message_id, content=[], model=self.model_name, stop_reason=None,
                                  usage=usage)
         yield sse_event(MessageStartEvent(message=start))
         stop: tuple[str, str | None] = ("end_turn", None)
