@@ -200,6 +200,8 @@ REFUSALS = [
     ({"system": [{"type": "text", "text": "a", "citations": [{}]}]}, "system.0.citations"),
     ({"messages": [{"role": "user", "content": "hi " * 3000}]}, "maximum context length"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "objec"}}}},
+     "output_config.format"),
     ({"messages": [*USER, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "toolu_1", "name": "get_alerts", "input": {}}]}]}, "messages.1"),
 ]

@@ -438,18 +438,9 @@ def _validated(model: type[_Model], value: Any, where: str) -> _Model:
         raise APIError(400, f"{field}: {first['msg']}", param=field, code="invalid_value") from None
 
 
-# Chat's names of the fields a Messages request sets, and the names the client sent them by.
-_RENAMES = [(re.compile(pattern), name) for pattern, name in (
-    (r"^stop(?=$|\.)", "stop_sequences"),
-    (r"^response_format", "output_config.format"),
-    (r"^tool_choice\.function\.name", "tool_choice.name"),
-    (r"^tool_choice\.(type|function)", "tool_choice"),
-    (r"^parallel_tool_calls", "tool_choice.disable_parallel_tool_use"),
-    (r"^user$", "metadata.user_id"),
-    (r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema"),
-    (r"^tools\.(\d+)\.function", r"tools.\1"),
-    (r"^continue_final_message", "messages"),
-)]
+# The chat fields whose refusal can name them, and the fields of the Messages request that set them.
+_RENAMES = {"stop": "stop_sequences", "response_format": "output_config.format",
+            "tool_choice.function.name": "tool_choice.name"}
 _MESSAGE_PARAM = re.compile(r"^messages\.(\d+)(\.[\w.]*)?$")
 
 
@@ -467,10 +458,9 @@ def _renamed(error: APIError, places: list[str]) -> APIError:
 
 
 def _messages_param(param: str, places: list[str]) -> str:
+    if param == "continue_final_message":  # the prefill the answer continues: the final message
+        return places[-1]
     m = _MESSAGE_PARAM.match(param)
     if m is not None and int(m.group(1)) < len(places):
         return places[int(m.group(1))]
-    for pattern, name in _RENAMES:
-        if pattern.match(param):
-            return pattern.sub(name, param, count=1)
-    return param
+    return _RENAMES.get(param, param)
