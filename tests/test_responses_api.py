@@ -1,8 +1,9 @@
 """The Responses API (`/v1/responses`) through the official `openai` client against real servers on a tiny
 random-weight model: plain and streamed answers and their event sequence, a tool round trip, structured
 output by schema, stored responses (`previous_response_id`, retrieve, input items, delete) across a restart,
-each refusal's error shape, /metrics and the status page, and a drain with Responses streams in flight.
-Also, without a server: the store's bounds and the journal's upgrade from version 2.
+background responses and their cancel, each refusal's error shape, /metrics and the status page, and
+drains with Responses streams and background responses in flight. Also, without a server: the store's
+bounds, its settling of unfinished background responses, and the journal's upgrade from version 2.
 
 Output of a random-weight model is noise, so whatever must parse (a call's arguments, a schema's JSON) is
 asked for under a constraint (`tool_choice` required or named, `text.format` json_schema), which also makes
@@ -25,7 +26,7 @@ import openai
 import pytest
 
 from gracelm.batch.journal import DB_NAME, SCHEMA_VERSION, Journal
-from gracelm.serving.response_store import ResponseStore
+from gracelm.serving.response_store import STOPPED_ERROR, ResponseStore
 from tests.process_checks import wait_until
 from tests.server_process import ServerProcess, metric_value
 from tests.tiny_models import tiny_model
@@ -187,7 +188,9 @@ def test_streamed_call_arguments_reassemble_to_the_plain_call(client):
 
 @pytest.mark.parametrize(("fields", "param", "code"), [
     ({"bogus": 1}, "bogus", "unrecognized_argument"),
-    ({"background": True}, "background", "unsupported_parameter"),
+    ({"background": True, "stream": True}, "stream", "unsupported_parameter"),
+    ({"background": True, "store": False}, "store", "invalid_value"),
+    ({"background_options": {"completion_window": "2h"}}, "background_options", "unsupported_parameter"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
     ({"include": ["message.output_text.logprobs"]}, "include", "unsupported_parameter"),
     ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
@@ -246,6 +249,39 @@ def test_unknown_ids_are_404s_and_cancel_is_refused(client, server):
         client.responses.retrieve(kept.id)
 
 
+def _until_done(client: openai.OpenAI, response_id: str):
+    def ended():
+        response = client.responses.retrieve(response_id)
+        return response if response.status not in ("queued", "in_progress") else None
+
+    return wait_until(ended, 60, "the background response's end")
+
+
+def test_a_background_response_is_queued_then_stored_at_its_end(client):
+    queued = client.responses.create(model="any", input="Hello", max_output_tokens=4, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _until_done(client, queued.id)
+    assert done.status == "incomplete" and done.usage.output_tokens == 4 and done.output_text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.cancel(done.id)
+    assert "incomplete" in caught.value.body["message"]
+
+
+def test_cancel_aborts_a_background_response(client, server):
+    running = client.responses.create(model="any", input="go", text=ENDLESS, max_output_tokens=1500,
+                                      background=True)
+    with pytest.raises(openai.BadRequestError) as caught:  # not finished: nothing to go on from yet
+        client.responses.create(model="any", input="next", previous_response_id=running.id,
+                                max_output_tokens=2)
+    assert caught.value.body["param"] == "previous_response_id"
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled"  # again: as it is
+    running_now = lambda: metric_value(httpx.get(f"{server.url}/metrics").text,  # noqa: E731
+                                       "gracelm_num_requests_running")
+    wait_until(lambda: running_now() == 0, 10, "the engine's abort")
+
+
 def test_metrics_and_the_status_page_count_the_api(client, server):
     metrics = httpx.get(f"{server.url}/metrics").text
     before = metric_value(metrics, "gracelm_api_requests_total", api="responses")
@@ -266,8 +302,11 @@ def before_restart(client):
 
 @pytest.fixture(scope="module")
 def restarted(server, state_dir, before_restart):
+    """Started again on the same state directory, steps slowed, a drain deadline of 4 s; the drain test
+    stops it."""
     server.stop()
-    with _serve("--state-dir", str(state_dir), "--max-stored-responses", "3") as process:
+    with _serve("--state-dir", str(state_dir), "--shutdown-timeout", "4",
+                env={"GRACELM_TEST_HOOKS": SLOW_STEPS}) as process:
         yield process
 
 
@@ -282,6 +321,27 @@ def test_previous_response_id_across_a_restart(restarted, before_restart):
         ("user", "Remember: blue."), ("assistant", before_restart.output_text), ("user", "What colour?")]
     assert after.instructions is None  # instructions are not carried over
     assert after.usage.input_tokens > before_restart.usage.input_tokens
+
+
+def test_a_drain_waits_for_a_background_response_and_fails_one_at_its_deadline(restarted, state_dir):
+    client = _client(restarted)
+    short = client.responses.create(model="any", input="go", max_output_tokens=20, background=True)
+    endless = client.responses.create(model="any", input="go", text=ENDLESS, max_output_tokens=1500,
+                                      background=True)
+    for response in (short, endless):
+        wait_until(lambda r=response: client.responses.retrieve(r.id).status == "in_progress", 30,
+                   "the background response's start")
+    restarted.process.send_signal(signal.SIGTERM)
+    assert restarted.wait_exit() == 0
+    journal = Journal(state_dir)
+    try:
+        store = ResponseStore(journal, 100, 3600)
+        assert store.load(short.id).response["status"] == "incomplete"
+        failed = store.load(endless.id).response
+        assert failed["status"] == "failed" and "aborted" in failed["error"]["message"]
+        assert failed["output"] and failed["output"][0]["type"] == "message"
+    finally:
+        journal.close()
 
 
 # -- without a state directory, and a drain -------------------------------------------------------------
@@ -299,7 +359,8 @@ def test_without_a_state_dir_nothing_is_stored(unstored):
     assert response.model_extra["store"] is False
     for fields, param in (({"store": True}, "store"), ({"previous_response_id": response.id},
                                                        "previous_response_id"),
-                          ({"previous_response_id": ""}, "previous_response_id")):
+                          ({"previous_response_id": ""}, "previous_response_id"),
+                          ({"background": True}, "background")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(model="any", input="hi", max_output_tokens=2, **fields)
         assert caught.value.body["param"] == param and "--state-dir" in caught.value.body["message"]
@@ -383,6 +444,20 @@ def test_the_store_keeps_the_newest_within_its_count_and_age(tmp_path):
         assert store.count() == 1 and store.load("resp_3") is not None
         # One past its age is not found even before it is pruned.
         assert ResponseStore(journal, max_count=10, max_age_s=10).load("resp_3") is None
+    finally:
+        journal.close()
+
+
+def test_a_background_response_a_stop_left_unfinished_is_failed_at_the_start(tmp_path):
+    journal = Journal(tmp_path)
+    try:
+        store = ResponseStore(journal, 10, 3600)
+        for status in ("queued", "in_progress", "completed"):
+            store.save({**_response(f"resp_{status}", time.time()), "status": status}, [])
+        assert store.settle() == 2
+        assert store.load("resp_in_progress").response["status"] == "failed"
+        assert store.load("resp_queued").response["error"] == STOPPED_ERROR
+        assert store.load("resp_completed").response["status"] == "completed"
     finally:
         journal.close()
 

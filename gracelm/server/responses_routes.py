@@ -3,14 +3,12 @@
 `GET /v1/responses/{id}/input_items` and `POST /v1/responses/{id}/cancel`.
 
 Stored responses live in the state directory's journal (`serving/response_store.py`); its reads and writes
-run in a worker thread. Without `--state-dir` nothing is stored, so every id is unknown (404). Background
-responses are not served, so no response can be cancelled: cancelling a stored one answers OpenAI's 400
-for a response not created in background mode.
+run in a worker thread. Without `--state-dir` nothing is stored, so every id is unknown (404). Only a
+background response can be cancelled, while it runs; any other answers OpenAI's 400.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
@@ -19,10 +17,9 @@ from fastapi.responses import JSONResponse, Response
 from gracelm.batch.journal import Journal
 from gracelm.options import duration_s
 from gracelm.server.openapi_docs import answers, errors, json_body
-from gracelm.serving.api_errors import APIError
 from gracelm.serving.request_client import HttpClient
 from gracelm.serving.request_fields import parse_request
-from gracelm.serving.response_store import ResponseStore, StoredResponse
+from gracelm.serving.response_store import ResponseStore
 from gracelm.serving.responses_protocol import (
     InputItemList,
     ResponseDeleted,
@@ -48,8 +45,9 @@ def responses_router(chat: ServingChat, journal: Journal | None, settings: Serve
     """The routes over `journal` (None: no `--state-dir`; nothing stored), bounded as `settings` say."""
     max_age_s = duration_s(settings.stored_response_max_age)
     store = ResponseStore(journal, settings.max_stored_responses, max_age_s)
-    if store.enabled:
-        store.prune()  # at start, before any request: those past their age or beyond the count
+    if store.enabled:  # at the start, before any request
+        store.settle()
+        store.prune()
     serving = ServingResponses(chat, store)
     router = APIRouter()
 
@@ -61,41 +59,25 @@ def responses_router(chat: ServingChat, journal: Journal | None, settings: Serve
 
     @router.get("/responses/{response_id}", responses=answers(ResponseObject, 401, 404, 500))
     async def retrieve_response(response_id: str) -> dict:
-        return (await _stored(store, response_id)).response
+        return (await serving.stored(response_id)).response
 
     @router.delete("/responses/{response_id}", responses=answers(ResponseDeleted, 401, 404, 500))
     async def delete_response(response_id: str) -> dict:
-        if not store.enabled or not await asyncio.to_thread(store.delete, response_id):
-            raise _not_found(store, response_id)
+        await serving.delete(response_id)
         return ResponseDeleted(id=response_id).model_dump()
 
     @router.get("/responses/{response_id}/input_items", responses=answers(InputItemList, 400, 401, 404, 500))
     async def input_items(response_id: str, limit: Annotated[int, Query(ge=1, le=100)] = 20,
                           order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
                           after: str | None = None) -> dict:
-        stored = await _stored(store, response_id)
+        stored = await serving.stored(response_id)
         return _page(stored.input_items, limit, order == "desc", after)
 
     @router.post("/responses/{response_id}/cancel", responses=answers(ResponseObject, 400, 401, 404, 500))
     async def cancel_response(response_id: str) -> dict:
-        await _stored(store, response_id)
-        raise APIError(400, "Only responses created with background=true can be cancelled; this server does "
-                            "not run responses in the background", param="response_id", code="invalid_value")
+        return await serving.cancel(response_id)
 
     return router
-
-
-async def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
-    stored = await asyncio.to_thread(store.load, response_id) if store.enabled else None
-    if stored is None:
-        raise _not_found(store, response_id)
-    return stored
-
-
-def _not_found(store: ResponseStore, response_id: str) -> APIError:
-    why = "" if store.enabled else " (this server stores no responses: it runs without --state-dir)"
-    return APIError(404, f"Response with id '{response_id}' not found.{why}", param="response_id",
-                    code="response_not_found")
 
 
 def _page(items: list[dict[str, Any]], limit: int, newest_first: bool, after: str | None) -> dict:

@@ -9,7 +9,9 @@ in the object, not in the items.
 
 Bounded in count (`--max-stored-responses`) and age (`--stored-response-max-age`; OpenAI keeps 30 days): the
 oldest are pruned at each insert and when the store opens, and one past its age is not found even before
-that. The methods block on SQLite's fsync: async callers run them in a worker thread.
+that. A background response is stored at each change of its status; one left unfinished by a stop is
+failed when the store opens (`settle`). The methods block on SQLite's fsync: async callers run them in a
+worker thread.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import time
 from typing import Any
 
 from gracelm.batch.journal import Journal
+
+# What a background response that a stop left unfinished says once settled.
+STOPPED_ERROR = {"code": "server_error", "message": "the server stopped before this background response "
+                                                    "finished"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +70,18 @@ class ResponseStore:
         """Drops those past their age and the oldest beyond the count; returns how many."""
         with self._journal.write_transaction() as db:
             return _prune(db, self.max_count, time.time() - self.max_age_s)
+
+    def settle(self) -> int:
+        """At the start: a response stored queued or in progress was running in the background when the
+        server stopped, and never will finish: failed, saying so. Returns how many."""
+        with self._journal.write_transaction() as db:
+            rows = db.execute("SELECT id, response FROM responses WHERE json_extract(response, '$.status') "
+                              "IN ('queued', 'in_progress')").fetchall()
+            for response_id, text in rows:
+                response = {**json.loads(text), "status": "failed", "error": STOPPED_ERROR}
+                db.execute("UPDATE responses SET response = ? WHERE id = ?",
+                           (json.dumps(response), response_id))
+        return len(rows)
 
     def count(self) -> int:
         with self._journal.read_transaction() as db:

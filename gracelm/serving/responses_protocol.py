@@ -63,8 +63,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     max_tool_calls: int | None = None
-    # honoured at their no-op values only (`UNSUPPORTED`)
     background: bool | None = None
+    # honoured at their no-op values only (`UNSUPPORTED`)
     background_options: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
     context_management: list[dict[str, Any]] | None = None
@@ -87,9 +87,8 @@ def _no_reasoning(value: Any) -> bool:
 
 
 UNSUPPORTED: dict[str, Unsupported] = {
-    "background": Unsupported(one_of(False), "background responses are not supported; send the request "
-                                             "without background (stream it to follow it)"),
-    "background_options": Unsupported(unset, "background responses are not supported"),
+    "background_options": Unsupported(unset, "background options (completion windows, continuations) are "
+                                             "not supported"),
     "access_programs": Unsupported(one_of({"cyber": "standard"}), "only the standard access program exists"),
     "context_management": Unsupported(unset, "context management (compaction) is not supported"),
     "conversation": Unsupported(unset, "conversations are not supported; use previous_response_id"),

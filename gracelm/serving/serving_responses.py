@@ -12,7 +12,11 @@ text, a `function_call` item per call. Streamed, each step is an event of OpenAI
 (aborted at a drain's deadline, failed, the engine dead) ends with an `error` event, then
 `response.failed`.
 
-Stored responses (`response_store.py`) keep the conversation; `previous_response_id` continues it.
+Stored responses (`response_store.py`) keep the conversation; `previous_response_id` continues it. A
+background response (`background: true`) is stored queued and answered at once; it runs in a task of its
+own, which stores it in progress, then at its end (completed, incomplete, failed, or cancelled by
+`cancel`), and holds its admission until that end is stored: a drain waits for it, as for any request, and
+its deadline aborts it (failed).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from gracelm.serving.api_errors import APIError, from_validation_error
 from gracelm.serving.openai_protocol import ChatCompletionRequest, DeltaMessage
 from gracelm.serving.request_client import RequestClient
 from gracelm.serving.request_fields import refuse_fields
-from gracelm.serving.response_store import ResponseStore
+from gracelm.serving.response_store import ResponseStore, StoredResponse
 from gracelm.serving.responses_protocol import (
     MAX_METADATA_KEY,
     MAX_METADATA_PAIRS,
@@ -60,13 +64,14 @@ from gracelm.serving.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from gracelm.serving.serving_base import ServingBase, SseDialect, StreamTally
+from gracelm.serving.serving_base import Run, ServingBase, SseDialect, StreamTally
 from gracelm.serving.serving_chat import ChatPlan, ServingChat
 from gracelm.serving.tool_calls import StreamedChoice
 
 logger = logging.getLogger(__name__)
 
 PREVIOUS = "previous_response_id"
+UNFINISHED = ("queued", "in_progress")  # a background response's statuses before its end
 # Keys a text part of an input message may have (an earlier output's annotations and logprobs come back
 # with it; a cache breakpoint is a hint, the prefix cache is automatic).
 _TEXT_PART_KEYS = {"input_text": {"type", "text", "prompt_cache_breakpoint"},
@@ -80,6 +85,7 @@ class ServingResponses(ServingBase):
         super().__init__(chat.engine, chat.state, chat.metrics, chat.served, chat.limits, chat.grammars)
         self.chat = chat
         self.store = store
+        self._background: dict[str, asyncio.Task] = {}  # the background responses running, by id
 
     async def create(self, req: ResponsesRequest,
                      client: RequestClient) -> ResponseObject | StreamingResponse:
@@ -96,6 +102,8 @@ class ServingResponses(ServingBase):
                                    api="responses")
         shell = _shell(req, f"resp_{hex_id}", self.model_name, stored)
         saved = _Saved(self.store, items) if stored else None
+        if saved is not None and req.background:
+            return await self._in_background(run, plan, shell, saved, hex_id)
         if req.stream:
             events = _Events(shell, _OutputBuilder(hex_id))
             dialect = SseDialect(events.failure, None)
@@ -121,6 +129,8 @@ class ServingResponses(ServingBase):
                                param="stream_options", code="invalid_value")
             refuse_fields(req.stream_options, UNSUPPORTED_IN_STREAM_OPTIONS, "stream_options.")
         _check_metadata(req.metadata)
+        if req.background:
+            _check_background(req, self.store.enabled)
         if not self.store.enabled:
             asked = {"store": req.store is True, PREVIOUS: req.previous_response_id is not None}
             for field in (name for name, given in asked.items() if given):
@@ -137,7 +147,98 @@ class ServingResponses(ServingBase):
         if previous is None:
             raise APIError(404, f"Previous response with id '{previous_id}' not found.", param=PREVIOUS,
                            code="previous_response_not_found")
+        status = previous.response["status"]
+        if status in UNFINISHED:
+            raise APIError(400, f"{PREVIOUS}: response {previous_id} is {status}; go on from it once it has "
+                                f"finished", param=PREVIOUS, code="invalid_value")
         return previous.input_items + previous.response["output"]
+
+    async def stored(self, response_id: str) -> StoredResponse:
+        """A stored response; a 404 naming it when unknown (always, without `--state-dir`)."""
+        found = await asyncio.to_thread(self.store.load, response_id) if self.store.enabled else None
+        if found is None:
+            why = "" if self.store.enabled else " (nothing is stored: this server runs without --state-dir)"
+            raise APIError(404, f"Response with id '{response_id}' not found.{why}", param="response_id",
+                           code="response_not_found")
+        return found
+
+    async def delete(self, response_id: str) -> None:
+        """Deletes a stored response (a 404 when unknown); a background one running is cancelled first."""
+        await self.stored(response_id)
+        await self._stop_background(response_id)
+        await asyncio.to_thread(self.store.delete, response_id)
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """Cancels a background response still running and answers it as stored: cancelled. A 400 for one
+        not created in the background, or already at its end otherwise."""
+        await self._stop_background(response_id)
+        response = (await self.stored(response_id)).response
+        if not response.get("background"):
+            raise APIError(400, "Only responses created with background=true can be cancelled; "
+                                f"{response_id} was not", param="response_id", code="invalid_value")
+        if response["status"] not in ("cancelled", *UNFINISHED):
+            raise APIError(400, f"response {response_id} is {response['status']}: only a queued or "
+                                f"in-progress response can be cancelled", param="response_id",
+                           code="invalid_value")
+        return response
+
+    async def _stop_background(self, response_id: str) -> None:
+        task = self._background.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+
+    async def _in_background(self, run: Run, plan: ChatPlan, shell: ResponseObject, saved: _Saved,
+                             hex_id: str) -> ResponseObject:
+        """The response stored queued, and run in a task of its own (`_run_in_background`)."""
+        queued = shell.model_copy(update={"status": "queued"})
+        try:
+            await saved.save(queued)
+        except BaseException:
+            await run.deltas.aclose()
+            run.admission.release()
+            raise
+        task = asyncio.create_task(self._run_in_background(run, plan, shell, saved, hex_id),
+                                   name=f"background response {shell.id}")
+        self._background[shell.id] = task
+        task.add_done_callback(lambda _: self._background.pop(shell.id, None))
+        return queued
+
+    async def _run_in_background(self, run: Run, plan: ChatPlan, shell: ResponseObject, saved: _Saved,
+                                 hex_id: str) -> None:
+        """A background response to its end, each change of its status stored; its admission released only
+        once its end is stored."""
+        builder = _OutputBuilder(hex_id)
+        try:
+            try:
+                end = await self._background_output(run, plan, shell, saved, builder)
+            except asyncio.CancelledError:  # cancel(): closing the deltas aborts it in the engine
+                end = shell.model_copy(update={"status": "cancelled", "output": list(builder.items)})
+            except APIError as exc:
+                end = _failed(shell, builder, exc)
+            with contextlib.suppress(APIError):  # logged by `save`; the response stays as last stored
+                await saved.save(end)
+        finally:
+            run.admission.release()
+
+    async def _background_output(self, run: Run, plan: ChatPlan, shell: ResponseObject, saved: _Saved,
+                                 builder: _OutputBuilder) -> ResponseObject:
+        streamed = StreamedChoice(plan.tools)
+        tally = StreamTally(len(plan.prompt_ids))
+        finish_reason = None
+        async with contextlib.aclosing(run.deltas) as deltas:
+            async for delta in deltas:
+                if tally.completion_tokens == 0:
+                    await saved.save(shell.model_copy(update={"status": "in_progress"}))
+                for o in delta.outputs:
+                    tally.add(o)
+                    finish_reason = o.finish_reason or finish_reason
+                    builder.feed(streamed.deltas(o.text, o.finish_reason is not None))
+        error = tally.error(run.request_id)
+        if error is not None:
+            return _failed(shell, builder, error)
+        builder.finish(finish_reason)
+        return _ended(shell, builder, finish_reason, tally.num_prompt_tokens, tally.completion_tokens)
 
     async def _stream(self, deltas: AsyncIterator[RequestOutput], plan: ChatPlan, events: _Events,
                       saved: _Saved | None, request_id: str) -> AsyncGenerator[str]:
@@ -422,7 +523,7 @@ def _shell(req: ResponsesRequest, response_id: str, model: str, stored: bool) ->
         top_p=req.top_p, text={"format": {"type": "text"}, **text}, tool_choice=req.tool_choice or "auto",
         tools=req.tools or [], user=req.user, safety_identifier=req.safety_identifier,
         prompt_cache_key=req.prompt_cache_key,
-        service_tier="default" if req.service_tier is not None else None)
+        service_tier="default" if req.service_tier is not None else None, background=bool(req.background))
 
 
 def _ended(shell: ResponseObject, builder: _OutputBuilder, finish_reason: str | None, input_tokens: int,
@@ -435,6 +536,27 @@ def _ended(shell: ResponseObject, builder: _OutputBuilder, finish_reason: str | 
         "status": "incomplete" if cut else "completed", "output": list(builder.items), "usage": usage,
         "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None,
         "completed_at": int(time.time())})
+
+
+def _failed(shell: ResponseObject, builder: _OutputBuilder, error: APIError) -> ResponseObject:
+    """The response that did not end well: the items given so far, and the error as OpenAI's
+    `server_error` (the SDK knows a fixed set of codes)."""
+    return shell.model_copy(update={"status": "failed", "output": list(builder.items),
+                                    "error": ResponseErrorInfo(message=error.message)})
+
+
+def _check_background(req: ResponsesRequest, can_store: bool) -> None:
+    """A background response is stored (polled with GET) and not streamed."""
+    if not can_store:
+        raise APIError(400, "background: a background response is kept in the server's state directory, and "
+                            "this server runs without one: start it with --state-dir DIR", param="background",
+                       code="state_dir_required")
+    if req.store is False:
+        raise APIError(400, "store: a background response must be stored (store: true)", param="store",
+                       code="invalid_value")
+    if req.stream:
+        raise APIError(400, "stream: a background response is not streamed here; poll GET /v1/responses/{id}",
+                       param="stream", code="unsupported_parameter")
 
 
 class _Saved:
@@ -572,7 +694,4 @@ class _Events:
         """How a response that did not end well ends: the `error` event (our code, message and param), then
         `response.failed` with the items given so far and the error as OpenAI's `server_error`."""
         event = self.write("error", {"code": error.code, "message": error.message, "param": error.param})
-        failed = self.shell.model_copy(update={
-            "status": "failed", "output": list(self.builder.items),
-            "error": ResponseErrorInfo(message=error.message)})
-        return event + self.lifecycle("response.failed", failed)
+        return event + self.lifecycle("response.failed", _failed(self.shell, self.builder, error))
