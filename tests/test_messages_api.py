@@ -130,6 +130,13 @@ def test_a_stop_sequence_ends_the_message_and_is_named(client) -> None:
         assert (message.content[0].text if message.content else "") == text[:text.index(sequence)]
 
 
+def test_consecutive_turns_of_one_role_are_one_turn(client) -> None:
+    apart = [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]}]
+    joined = [{"role": "user", "content": "a\n\nb"}]
+    assert (client.messages.count_tokens(model=MODEL, messages=apart).input_tokens
+            == client.messages.count_tokens(model=MODEL, messages=joined).input_tokens)
+
+
 def test_a_prefill_is_continued(client) -> None:
     prefill = [*USER, {"role": "assistant", "content": "The weather is"}]
     counted = client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens

@@ -11,7 +11,7 @@ sent (`_renamed`).
 Translation, field by field (docs/messages.md):
 
 - `system` (text or text blocks) is the first message, of the system role; blocks are joined by a blank line,
-  as are the text blocks of any message.
+  as are the text blocks of any message, and consecutive turns of one role (as Anthropic joins them).
 - A user message's `tool_result` blocks become tool messages (in their order among its text), their content
   text or text blocks; `is_error: true` is said in the text, which starts `Error: `.
 - An assistant message's `tool_use` blocks become its tool calls (the input as the arguments' JSON).
@@ -283,9 +283,24 @@ def _chat_messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[
             translated = _user_messages(message, where)
         else:
             translated = [_assistant(message, where)]
-        messages += translated
-        places += [where] * len(translated)
+        for chat in translated:
+            if messages and _joins(messages[-1], chat):
+                messages[-1] = _joined(messages[-1], chat)
+            else:
+                messages.append(chat)
+                places.append(where)
     return messages, places
+
+
+def _joins(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether two messages in a row are one turn: Anthropic joins consecutive user or assistant turns,
+    which chat templates may refuse to render apart. A call's result is a turn of its own."""
+    return before["role"] == after["role"] in ("user", "assistant") and not before.get("tool_calls")
+
+
+def _joined(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    texts = [text for text in (before["content"], after["content"]) if text]
+    return {**after, "content": _BLOCK_JOIN.join(texts)}
 
 
 def _system_text(system: str | list[dict[str, Any]]) -> str:
