@@ -232,6 +232,8 @@ def test_each_refusal_before_a_route_is_in_anthropics_shape(server) -> None:
     _anthropic_error(httpx.get(f"{server.url}/v1/messages", headers=_headers()), 405,
                      "invalid_request_error", "GET /v1/messages")
     _anthropic_error(_post(server, "/v1/messages/nope", BASE), 404, "not_found_error", "/v1/messages/nope")
+    _anthropic_error(_post(server, "/v1/messages", BASE, origin="https://elsewhere.example"), 403,
+                     "permission_error", "elsewhere.example")
     _anthropic_error(_post(server, "/v1/messages", BASE, **{"x-api-key": "wrong"}), 401,
                      "authentication_error", "x-api-key")
     _anthropic_error(_post(server, "/v1/messages/count_tokens", {"model": MODEL, "messages": []}), 400,
