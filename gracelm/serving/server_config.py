@@ -90,8 +90,9 @@ class ServerConfig:
                                             "503 at a stop", check=at_least(0))
     state_dir: str | None = option(None, "directory kept across restarts; holds last-shutdown.json, the last "
                                          "stop's report, shown on /status, and batches.db, the journal of "
-                                         "the files and batches of /v1/files and /v1/batches, which need it "
-                                         "(default: none kept)", check=writable_dir_problem)
+                                         "the files and batches of /v1/files and /v1/batches and of the "
+                                         "responses /v1/responses stores, which need it (default: none kept)",
+                                   check=writable_dir_problem)
     max_stored_responses: int = option(10000, "the most responses of the Responses API kept in --state-dir "
                                               "(store); the oldest are dropped beyond it", check=at_least(1))
     stored_response_max_age: str = option("30d", "how long a stored response of the Responses API is kept: "
