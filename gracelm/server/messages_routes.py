@@ -69,13 +69,16 @@ def messages_router(chat: ServingChat, auth: list[Depends]) -> APIRouter:
 
 
 def check_betas(request: Request) -> None:
-    """A 400 naming `anthropic-beta` for a feature this server does not do as asked."""
+    """A 400 naming `anthropic-beta` for a feature this server does not do as asked, in Anthropic's own
+    words (which clients recognise), then what is supported and how Claude Code leaves its betas out."""
     for header in request.headers.getlist(BETA_HEADER):
         for name in (part.strip() for part in header.split(",")):
             if name and name not in ACCEPTED_BETAS:
                 accepted = ", ".join(ACCEPTED_BETAS)
-                raise APIError(400, f"{BETA_HEADER}: the beta feature {name!r} is not supported by this "
-                                    f"server (supported: {accepted})", param=BETA_HEADER,
+                raise APIError(400, f"Unexpected value(s) `{name}` for the `{BETA_HEADER}` header: this "
+                                    f"server does not support that beta feature (supported: {accepted}); "
+                                    f"Claude Code sends none of its experimental ones with "
+                                    f"CLAUDE_CODE_DISABLE_EXPERIMENTAL_BETAS=1", param=BETA_HEADER,
                                code="unsupported_parameter")
 
 
