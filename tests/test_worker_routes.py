@@ -182,10 +182,17 @@ def test_loads_and_the_flush_follow_the_engine(server):
 
 
 def test_health_generate_is_one_token_generated(server):
-    before = metric_value(_metrics(server), "gracelm_generation_tokens_total", model_name=MODEL)
+    def counts() -> tuple[float, ...]:  # tokens generated, and the requests of each API
+        text = _metrics(server)
+        return (metric_value(text, "gracelm_generation_tokens_total", model_name=MODEL),
+                *(metric_value(text, "gracelm_api_requests_total", model_name=MODEL, api=api)
+                  for api in ("chat_completions", "completions", "responses", "messages")))
+
+    before = counts()
     r = httpx.get(f"{server.url}/health_generate", timeout=60)
     assert r.status_code == 200 and r.json() == {"status": "ok", "state": "running"}
-    assert metric_value(_metrics(server), "gracelm_generation_tokens_total", model_name=MODEL) == before + 1
+    # One token, and no client's request: the probe is counted under no API.
+    assert counts() == (before[0] + 1, *before[1:])
 
 
 def test_health_generate_is_admitted_as_any_request(model_dir):

@@ -181,7 +181,7 @@ async def _generates_a_token(completion: ServingCompletion, client: RequestClien
     request_id = client.request_id(None, "health")
     try:
         async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
-            run = await completion.start(client, [[0]], params, request_id, "prompt")
+            run = await completion.start(client, [[0]], params, request_id, "prompt", api=None)
             final = await completion.final_output(client, run)
     except (APIError, AdmissionRefused, TimeoutError):
         return False

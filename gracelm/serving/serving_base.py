@@ -129,20 +129,21 @@ class ServingBase:
                            param="max_tokens", code="context_length_exceeded")
 
     async def start(self, client: RequestClient, prompts: list[list[int]], params: SamplingParams,
-                    request_id: str, prompt_param: str, *, api: str, priority: int = 0) -> Run:
+                    request_id: str, prompt_param: str, *, api: str | None, priority: int = 0) -> Run:
         """Admits the request (as `client` is admitted; a 429 beyond admission control's bounds,
         `admission_control.py`) and starts each of its prompts in the engine (several only for a batch of
         completions prompts: one engine request each, `prompt_batch.py`), which checks them (a 400 naming
         `prompt_param`), at `priority` (lower runs first; a 400 naming `priority` outside its range). Its
         deltas come with metrics; closing them aborts the request. The admission is released when the answer
         ends (`sse`, `final_output`); it is marked started at the first output. `api`: the API it came
-        through, for /metrics (`metrics.APIS`)."""
+        through, for /metrics (`metrics.APIS`); None for the server's own probe (/health_generate)."""
         try:
             check_priority(priority)
         except ValueError as exc:
             raise APIError(400, str(exc), param="priority", code="invalid_value") from None
         admission = admission_control.admit(client, self.state, len(prompts) * params.n, self.metrics)
-        self.metrics.count_api_request(api)
+        if api is not None:
+            self.metrics.count_api_request(api)
         if self.served.log_requests:
             logger.info("request %s: %s prompt tokens, %s%s", request_id,
                         "+".join(str(len(p)) for p in prompts), _params_summary(params),
