@@ -26,7 +26,8 @@ def test_fuzzing_the_schema_finds_nothing_and_leaves_nothing():
         assert result.clean, result.report()
         # It reached the engine (answers, with the key), the validation (400s), the key check (401s) and
         # the router (405s) of each generation route.
-        for route in ("POST /v1/chat/completions", "POST /v1/completions"):
+        for route in ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses",
+                      "POST /v1/messages"):
             assert {200, 400, 401, 405} <= set(result.statuses[route]), result.report()
             assert sum(result.statuses[route].values()) >= MAX_EXAMPLES, result.report()
 
