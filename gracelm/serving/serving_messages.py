@@ -33,14 +33,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, TypeVar
+from typing import Any
 
 import pydantic
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from gracelm.engine.output_processor import CompletionOutput, RequestOutput
-from gracelm.serving.api_errors import APIError, anthropic_body
+from gracelm.serving.api_errors import APIError, anthropic_body, validated
 from gracelm.serving.messages_protocol import (
     BLOCKS,
     UNSUPPORTED,
@@ -368,7 +368,7 @@ def _block(value: Any, where: str, allowed: tuple[str, ...]) -> BaseModel:
         raise APIError(400, f"{where}.type: {json.dumps(kind)} blocks are not supported here (supported: "
                             f"{supported}); this server reads text and tool calls", param=f"{where}.type",
                        code="unsupported_parameter")
-    block = _validated(BLOCKS[kind], value, where)
+    block = validated(BLOCKS[kind], value, where)
     refuse_fields(block, UNSUPPORTED_IN_BLOCKS, f"{where}.")
     return block
 
@@ -376,7 +376,7 @@ def _block(value: Any, where: str, allowed: tuple[str, ...]) -> BaseModel:
 def _tool_fields(req: CountTokensRequest) -> dict[str, Any]:
     """Chat's `tools`, `tool_choice` and `parallel_tool_calls` for the request's tools and choice."""
     tools = [_tool(value, f"tools.{i}") for i, value in enumerate(req.tools or [])]
-    choice = _validated(ToolChoice, req.tool_choice, "tool_choice") if req.tool_choice is not None else None
+    choice = validated(ToolChoice, req.tool_choice, "tool_choice") if req.tool_choice is not None else None
     chat_choice = _chat_tool_choice(choice, bool(tools)) if choice is not None else None
     if not tools:  # auto and none without tools: nothing to choose from, nothing rendered
         return {}
@@ -406,7 +406,7 @@ def _tool(value: Any, where: str) -> CustomTool:
     if kind not in (None, "custom"):
         raise APIError(400, f"{where}.type: server tools ({json.dumps(kind)}) are not supported, only client "
                             f"tools (custom)", param=f"{where}.type", code="unsupported_parameter")
-    tool = _validated(CustomTool, value, where)
+    tool = validated(CustomTool, value, where)
     refuse_fields(tool, UNSUPPORTED_IN_TOOLS, f"{where}.")
     return tool
 
@@ -436,21 +436,6 @@ def _output_format(req: CountTokensRequest) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema",
                                 "json_schema": {"name": "output", "schema": output.json_schema}}}
 
-
-_Model = TypeVar("_Model", bound=BaseModel)
-
-
-def _validated(model: type[_Model], value: Any, where: str) -> _Model:
-    """`value` read as `model`; a 400 naming the field at fault, below `where`."""
-    try:
-        return model.model_validate(value)
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join([where, *(str(part) for part in first["loc"])])
-        if first["type"] == "extra_forbidden":
-            raise APIError(400, f"Unrecognized request argument supplied: {field}", param=field,
-                           code="unrecognized_argument") from None
-        raise APIError(400, f"{field}: {first['msg']}", param=field, code="invalid_value") from None
 
 
 # The chat fields whose refusal can name them, and the fields of the Messages request that set them.

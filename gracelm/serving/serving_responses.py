@@ -30,13 +30,13 @@ import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import pydantic
 from fastapi.responses import StreamingResponse
 
 from gracelm.engine.output_processor import RequestOutput
-from gracelm.serving.api_errors import APIError, from_validation_error
+from gracelm.serving.api_errors import APIError, from_validation_error, validated
 from gracelm.serving.openai_protocol import ChatCompletionRequest, DeltaMessage
 from gracelm.serving.request_client import RequestClient
 from gracelm.serving.request_fields import refuse_fields
@@ -302,14 +302,14 @@ def _add_item(conversation: _Conversation, item: Any, where: str) -> None:
                        param=where, code="invalid_value")
     kind = item.get("type", "message")
     if kind == "message":
-        message = _validated(InputMessage, item, where)
+        message = validated(InputMessage, item, where)
         chat_message = {"role": message.role, **_message_text(message, where)}
         conversation.messages.append(chat_message)
         conversation.origins.append((where, []))
     elif kind == "function_call":
-        _add_call(conversation, _validated(FunctionCallItem, item, where), where)
+        _add_call(conversation, validated(FunctionCallItem, item, where), where)
     elif kind == "function_call_output":
-        result = _validated(FunctionCallOutputItem, item, where)
+        result = validated(FunctionCallOutputItem, item, where)
         refuse_fields(result, UNSUPPORTED_IN_CALLS, f"{where}.")
         tool_message = {"role": "tool", "tool_call_id": result.call_id,
                         "content": _parts_text(result.output, f"{where}.output", ("input_text",))}
@@ -394,7 +394,7 @@ def _chat_tool(value: Any, index: int) -> dict[str, Any]:
         got = json.dumps(value.get("type")) if isinstance(value, dict) else type(value).__name__
         raise APIError(400, f'{where}.type: only "function" tools are supported, got {got}',
                        param=f"{where}.type", code="unsupported_parameter")
-    tool = _validated(FunctionTool, value, where)
+    tool = validated(FunctionTool, value, where)
     try:
         refuse_fields(tool, UNSUPPORTED_IN_TOOLS, f"{where}.")
     except APIError as exc:  # the field's Python name is `async_`
@@ -445,21 +445,6 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                                 f"at most {MAX_METADATA_VALUE}", param=f"metadata.{key[:MAX_METADATA_KEY]}",
                            code="invalid_value")
 
-
-_Model = TypeVar("_Model", bound=pydantic.BaseModel)
-
-
-def _validated(model: type[_Model], value: dict[str, Any], where: str) -> _Model:
-    """`model` read from the item or tool at `where`; a 400 naming its field (`input.3.call_id`)."""
-    try:
-        return model.model_validate(value)
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        param = f"{where}.{first['loc'][0]}" if first["loc"] else where
-        if first["type"] == "extra_forbidden":
-            raise APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
-                           code="unrecognized_argument") from None
-        raise APIError(400, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
 
 
 # -- the chat fields' names, renamed --------------------------------------------------------------------

@@ -32,7 +32,7 @@ import dataclasses
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
 import pydantic
@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gracelm.sampling_params import SamplingParams
 from gracelm.serving import tool_parsers
-from gracelm.serving.api_errors import APIError
+from gracelm.serving.api_errors import APIError, validated
 from gracelm.serving.openai_protocol import (
     AssistantMessage,
     DeltaFunctionCall,
@@ -175,7 +175,7 @@ def _tool(value: Any, index: int) -> Tool:
         got = _short(value.get("type"))
         raise APIError(400, f'{where}.type: only "function" tools are supported, got {got}',
                        param=f"{where}.type")
-    return _validated(Tool, value, where)
+    return validated(Tool, value, where)
 
 
 def _named(choice: Any, tools: list[Tool]) -> FunctionDefinition:
@@ -186,7 +186,7 @@ def _named(choice: Any, tools: list[Tool]) -> FunctionDefinition:
         got = _short(choice.get("type"))
         raise APIError(400, f'tool_choice.type: only "function" is supported, got {got}',
                        param="tool_choice.type")
-    named = _validated(NamedToolChoice, choice, "tool_choice")
+    named = validated(NamedToolChoice, choice, "tool_choice")
     for tool in tools:
         if tool.function.name == named.function.name:
             return tool.function
@@ -194,17 +194,6 @@ def _named(choice: Any, tools: list[Tool]) -> FunctionDefinition:
     raise APIError(400, f"tool_choice.function.name: {named.function.name!r} is not one of the tools "
                         f"({names})", param="tool_choice.function.name")
 
-
-_Model = TypeVar("_Model", bound=BaseModel)
-
-
-def _validated(model: type[_Model], value: Any, where: str) -> _Model:
-    try:
-        return model.model_validate(value)
-    except pydantic.ValidationError as exc:
-        error = exc.errors()[0]
-        field = ".".join([where, *(str(part) for part in error["loc"])])
-        raise APIError(400, f"{field}: {error['msg']}", param=field) from None
 
 
 def _parameters(function: FunctionDefinition) -> dict:
@@ -245,7 +234,7 @@ def template_messages(messages: list[dict], history: list[tuple[list[dict] | Non
 
 
 def _history_call(value: Any, index: int, j: int) -> dict:
-    call = _validated(HistoryCall, value, f"messages.{index}.tool_calls.{j}")
+    call = validated(HistoryCall, value, f"messages.{index}.tool_calls.{j}")
     function = {"name": call.function.name, "arguments": _history_arguments(call.function.arguments)}
     return {"id": call.id, "type": "function", "function": function}
 
