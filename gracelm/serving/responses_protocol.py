@@ -7,7 +7,7 @@ the mechanism chat and completions use; docs/responses.md gives the choice for e
 refused as OpenAI refuses it ("Unrecognized request argument supplied: X"), and known fields are typed
 strictly, as `openai_protocol`'s requests are.
 
-Input items are read one by one (`serving_responses.py`) into the models below, so that a 400 names the
+Input items are read one by one (`responses_request.py`) into the models below, so that a 400 names the
 item and field at fault (`input.3.call_id`) rather than a union's every branch.
 """
 
