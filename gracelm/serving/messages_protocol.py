@@ -5,7 +5,7 @@ Requests are typed strictly with unknown fields refused, as the OpenAI requests 
 (`openai_protocol.py`). Every field of Anthropic's create request is listed (the beta API's too), each
 honoured or, where it asks for what this server cannot do, refused with a 400 naming it (`UNSUPPORTED` and
 the block and tool tables, through `request_fields.refuse_fields`); a value that asks for nothing is
-accepted. Content blocks, tools and `tool_choice` are read block by block (`serving_messages.py`) so that a
+accepted. Content blocks, tools and `tool_choice` are read block by block (`messages_request.py`) so that a
 refusal names the block's place and type rather than a union's branches.
 """
 
@@ -88,7 +88,7 @@ class CustomTool(BaseModel):
     type: Literal["custom"] | None = None
     description: str | None = None
     cache_control: CacheControl | None = None
-    strict: bool | None = None  # honoured where the input is generated under the schema (`serving_messages`)
+    strict: bool | None = None  # honoured where the input is generated under the schema (`messages_request`)
     input_examples: list[dict[str, Any]] | None = None
     defer_loading: bool | None = None
     eager_input_streaming: bool | None = None
