@@ -214,6 +214,11 @@ ACCEPTED_BETAS: dict[str, str] = {
     "prompt-caching-2024-07-31": "the prefix cache is automatic",
     "token-counting-2024-11-01": "/v1/messages/count_tokens is served",
     "output-128k-2025-02-19": "max_tokens is bounded by the context only",
+    # Betas that only open request fields: each field is honoured or refused by name when it is sent.
+    "oauth-2025-04-20": "opens Anthropic's own sign-in; this server checks its own key, in either header",
+    "context-management-2025-06-27": "opens context_management, refused by name when sent",
+    "mcp-client-2025-04-04": "opens mcp_servers, refused by name when sent",
+    "files-api-2025-04-14": "opens file sources in content blocks, refused by name when sent",
 }
 
 
