@@ -192,6 +192,9 @@ def test_streamed_call_arguments_reassemble_to_the_plain_call(client):
     ({"background": True, "store": False}, "store", "invalid_value"),
     ({"background_options": {"completion_window": "2h"}}, "background_options", "unsupported_parameter"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
+    ({"reasoning": {"effort": "medium", "summary": "auto"}}, "reasoning", "unsupported_parameter"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include",
+     "unsupported_parameter"),
     ({"include": ["message.output_text.logprobs"]}, "include", "unsupported_parameter"),
     ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
     ({"conversation": "conv_1"}, "conversation", "unsupported_parameter"),
@@ -223,6 +226,18 @@ def test_each_refusal_is_a_400_naming_the_field(client, fields: dict, param: str
     assert error["type"] == "invalid_request_error"
     if code is not None:
         assert error["code"] == code, error
+
+
+def test_the_fields_codex_cli_sends_are_taken(client):
+    """Codex CLI's own fields: its ids, a summary of reasoning and reasoning's encrypted content, both of
+    which are honoured by giving none (no output is reasoning here)."""
+    codex = {"client_metadata": {"session_id": "s-1", "x-codex-installation-id": "i-1"},
+             "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+             "prompt_cache_key": "s-1", "store": False, "parallel_tool_calls": True, "tool_choice": "auto",
+             "tools": [ALERTS]}
+    response = client.responses.create(model="any", input="hi", max_output_tokens=4, extra_body=codex)
+    assert response.status in ("completed", "incomplete") and not response.store
+    assert response.output and all(item.type in ("message", "function_call") for item in response.output)
 
 
 def test_unknown_ids_are_404s_and_cancel_is_refused(client, server):

@@ -62,6 +62,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    client_metadata: dict[str, str] | None = None  # Codex CLI's: its own ids, for a provider's logs
     max_tool_calls: int | None = None
     background: bool | None = None
     # honoured at their no-op values only (`UNSUPPORTED`)
@@ -81,9 +82,23 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
 
 
+# What `reasoning` may say here, where no output is reasoning (no reasoning parser): no effort, and a summary
+# of reasoning if there is any, which is honoured by giving none (Codex CLI asks for `summary: "auto"`).
+_REASONING_ACCEPTED = {"effort": (None, "none"), "summary": (None, "auto", "concise", "detailed"),
+                       "generate_summary": (None, "auto", "concise", "detailed")}
+# What `include` may ask for: the encrypted content of reasoning items, of which there are none (Codex CLI
+# asks for it).
+_INCLUDE_ACCEPTED = ("reasoning.encrypted_content",)
+
+
 def _no_reasoning(value: Any) -> bool:
-    """`reasoning` asking for nothing: unset, or each of its keys null (no reasoning parser here)."""
-    return value is None or (isinstance(value, dict) and all(v is None for v in value.values()))
+    """`reasoning` asking for nothing this server could not give (`_REASONING_ACCEPTED`)."""
+    return value is None or (isinstance(value, dict) and all(
+        v in _REASONING_ACCEPTED.get(k, (None,)) for k, v in value.items()))
+
+
+def _nothing_to_include(value: Any) -> bool:
+    return value is None or (isinstance(value, list) and all(v in _INCLUDE_ACCEPTED for v in value))
 
 
 UNSUPPORTED: dict[str, Unsupported] = {
@@ -93,16 +108,16 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "context_management": Unsupported(unset, "context management (compaction) is not supported"),
     "conversation": Unsupported(unset, "conversations are not supported; use previous_response_id"),
     "image": Unsupported(unset, "image inputs are not supported"),
-    "include": Unsupported(unset, "no additional output data (logprobs, reasoning, tool outputs) is "
-                                  "returned"),
+    "include": Unsupported(_nothing_to_include, "no additional output data (logprobs, tool outputs) is "
+                                                "returned; reasoning.encrypted_content alone is accepted"),
     "moderation": Unsupported(unset, "moderation is not supported"),
     "prompt": Unsupported(unset, "saved prompt templates are not supported"),
     "prompt_cache_options": Unsupported(unset, "prompt cache options are not supported; the prefix cache "
                                                "is automatic"),
     "prompt_cache_retention": Unsupported(one_of("in_memory"),
                                           'only "in_memory" retention exists (the prefix cache)'),
-    "reasoning": Unsupported(_no_reasoning, "reasoning options are not supported: this server has no "
-                                            "reasoning parser"),
+    "reasoning": Unsupported(_no_reasoning, "reasoning effort is not supported: this server has no "
+                                            "reasoning parser (a summary, of no reasoning, is accepted)"),
     "service_tier": Unsupported(one_of("auto", "default"), 'only the "auto" and "default" tiers exist'),
     "top_logprobs": Unsupported(one_of(0), "logprobs are not returned by the Responses API here"),
     "truncation": Unsupported(one_of("disabled"), 'only "disabled" truncation exists: an input over the '
