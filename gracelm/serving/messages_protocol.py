@@ -135,7 +135,9 @@ class OutputConfig(BaseModel):
 class Message(BaseModel):
     model_config = _REQUEST
 
-    role: Literal["user", "assistant"]
+    # "system": a system turn inside the conversation (the mid-conversation-system beta, which Claude Code
+    # sends), its text blocks only
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -202,7 +204,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "thread": Unsupported(unset, "threads are not supported"),
 }
 UNSUPPORTED_IN_OUTPUT_CONFIG: dict[str, Unsupported] = {
-    "effort": Unsupported(unset, "effort is not supported"),
+    # "high" is Anthropic's default effort (Claude Code sends it): asks for no change.
+    "effort": Unsupported(one_of("high"), 'only the default effort, "high", exists'),
 }
 
 # `anthropic-beta` features this server does as asked (the header names them, comma-separated); any other
@@ -219,6 +222,8 @@ ACCEPTED_BETAS: dict[str, str] = {
     "context-management-2025-06-27": "opens context_management, refused by name when sent",
     "mcp-client-2025-04-04": "opens mcp_servers, refused by name when sent",
     "files-api-2025-04-14": "opens file sources in content blocks, refused by name when sent",
+    "effort-2025-11-24": "opens output_config.effort, whose default alone is accepted",
+    "mid-conversation-system-2026-04-07": "opens system turns inside messages, refused by name when sent",
 }
 
 

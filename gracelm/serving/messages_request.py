@@ -87,12 +87,14 @@ def chat_request(req: CountTokensRequest) -> tuple[ChatCompletionRequest, list[s
 def _chat_messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str]]:
     messages, places = [], []
     if req.system is not None:
-        messages.append({"role": "system", "content": _system_text(req.system)})
+        messages.append({"role": "system", "content": _system_text(req.system, "system")})
         places.append("system")
     for index, message in enumerate(req.messages):
         where = f"messages.{index}"
         if message.role == "user":
             translated = _user_messages(message, where)
+        elif message.role == "system":
+            translated = [{"role": "system", "content": _system_text(message.content, f"{where}.content")}]
         else:
             translated = [_assistant(message, where)]
         for chat in translated:
@@ -115,10 +117,11 @@ def _joined(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return {**after, "content": _BLOCK_JOIN.join(texts)}
 
 
-def _system_text(system: str | list[dict[str, Any]]) -> str:
+def _system_text(system: str | list[dict[str, Any]], where: str) -> str:
+    """A system prompt's text: the request's `system`, or a system turn's content (`where`: its field)."""
     if isinstance(system, str):
         return system
-    blocks = [_block(value, f"system.{i}", ("text",)) for i, value in enumerate(system)]
+    blocks = [_block(value, f"{where}.{i}", ("text",)) for i, value in enumerate(system)]
     return _BLOCK_JOIN.join(block.text for block in blocks if isinstance(block, TextBlock))
 
 
