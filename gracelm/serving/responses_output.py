@@ -11,7 +11,6 @@ Apart from `serving_responses.py`, which runs the request: the response object a
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal
@@ -29,6 +28,7 @@ from gracelm.serving.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
+from gracelm.serving.serving_base import sse_event
 
 
 def shell(req: ResponsesRequest, response_id: str, model: str, stored: bool) -> ResponseObject:
@@ -173,7 +173,7 @@ class Events:
     def write(self, kind: str, fields: dict[str, Any]) -> str:
         payload = {"type": kind, **fields, "sequence_number": self._next}
         self._next += 1
-        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+        return sse_event(kind, payload)
 
     def lifecycle(self, kind: str, response: ResponseObject | None = None) -> str:
         return self.write(kind, {"response": (response or self.shell).model_dump()})

@@ -370,6 +370,11 @@ def sse_data(payload: BaseModel | dict | str, exclude: set[str] | None = None) -
     return f"data: {text}\n\n"
 
 
+def sse_event(kind: str, payload: BaseModel | dict) -> str:
+    """A named event, as the Responses and Messages APIs send them: `event: KIND`, then its data."""
+    return f"event: {kind}\n{sse_data(payload)}"
+
+
 def usage_of(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                  total_tokens=num_prompt_tokens + num_completion_tokens)

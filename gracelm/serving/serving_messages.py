@@ -43,7 +43,7 @@ from gracelm.serving.messages_protocol import (
 from gracelm.serving.messages_request import chat_request, renamed
 from gracelm.serving.openai_protocol import AssistantMessage, DeltaMessage
 from gracelm.serving.request_client import RequestClient
-from gracelm.serving.serving_base import ServingBase, SseDialect, StreamTally
+from gracelm.serving.serving_base import ServingBase, SseDialect, StreamTally, sse_event
 from gracelm.serving.serving_chat import ChatPlan, ServingChat
 from gracelm.serving.tool_calls import StreamedChoice, ToolPlan, final_message
 
@@ -56,15 +56,13 @@ TOOL_ID_PREFIX = "toolu_"
 _CHAT_TOOL_ID_PREFIX = "call_"
 
 
-def sse_event(event: BaseModel | dict) -> str:
+def messages_event(event: BaseModel | dict) -> str:
     """An event of a Messages stream: its type as the SSE event's name, the event as its data."""
-    data = event.model_dump_json() if isinstance(event, BaseModel) else json.dumps(event)
-    kind = event.type if isinstance(event, BaseModel) else event["type"]
-    return f"event: {kind}\ndata: {data}\n\n"
+    return sse_event(event.type if isinstance(event, BaseModel) else event["type"], event)
 
 
 # A Messages stream ends with its own last event (message_stop), or with an error event: no `[DONE]`.
-MESSAGES_SSE = SseDialect(lambda error: sse_event(anthropic_body(error)), None)
+MESSAGES_SSE = SseDialect(lambda error: messages_event(anthropic_body(error)), None)
 
 
 class ServingMessages(ServingBase):
@@ -115,7 +113,7 @@ class ServingMessages(ServingBase):
         usage = MessagesUsage(input_tokens=num_prompt_tokens, output_tokens=0)
         start = MessagesResponse(id=message_id, content=[], model=self.model_name, stop_reason=None,
                                  usage=usage)
-        yield sse_event(MessageStartEvent(message=start))
+        yield messages_event(MessageStartEvent(message=start))
         stop: tuple[str, str | None] = ("end_turn", None)
         async for delta in deltas:
             for output in delta.outputs:
@@ -131,9 +129,9 @@ class ServingMessages(ServingBase):
             return
         for event in blocks.close():
             yield event
-        yield sse_event(MessageDeltaEvent(delta=StopDelta(stop_reason=stop[0], stop_sequence=stop[1]),
-                                          usage=OutputUsage(output_tokens=tally.completion_tokens)))
-        yield sse_event(MessageStopEvent())
+        yield messages_event(MessageDeltaEvent(delta=StopDelta(stop_reason=stop[0], stop_sequence=stop[1]),
+                                               usage=OutputUsage(output_tokens=tally.completion_tokens)))
+        yield messages_event(MessageStopEvent())
 
 
 class _BlockEvents:
@@ -150,27 +148,27 @@ class _BlockEvents:
             if self.open != "text":
                 events += self._start(TextContent(text=""))
             delta = TextDelta(text=piece.content)
-            events.append(sse_event(ContentBlockDeltaEvent(index=self.index, delta=delta)))
+            events.append(messages_event(ContentBlockDeltaEvent(index=self.index, delta=delta)))
         for call in piece.tool_calls or []:
             if call.id is not None:
                 events += self._start(ToolUseContent(id=_tool_use_id(call.id), name=call.function.name or "",
                                                      input={}))
             if call.function.arguments:
                 piece_of_input = InputJsonDelta(partial_json=call.function.arguments)
-                events.append(sse_event(ContentBlockDeltaEvent(index=self.index, delta=piece_of_input)))
+                events.append(messages_event(ContentBlockDeltaEvent(index=self.index, delta=piece_of_input)))
         return events
 
     def _start(self, block: TextContent | ToolUseContent) -> list[str]:
         events = self.close()
         self.index += 1
         self.open = block.type
-        return [*events, sse_event(ContentBlockStartEvent(index=self.index, content_block=block))]
+        return [*events, messages_event(ContentBlockStartEvent(index=self.index, content_block=block))]
 
     def close(self) -> list[str]:
         if self.open is None:
             return []
         self.open = None
-        return [sse_event(ContentBlockStopEvent(index=self.index))]
+        return [messages_event(ContentBlockStopEvent(index=self.index))]
 
 
 def _stop(finish_reason: str | None, output: CompletionOutput) -> tuple[str, str | None]:
