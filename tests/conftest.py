@@ -1,8 +1,14 @@
 """Suite-wide settings. The suite runs the pytest process and engine-core processes side by side on few
 cores: OpenMP threads that spin while waiting then steal the cores the other process needs (measured: a
-default-model forward 10x slower under load), so test processes wait passively. Set before torch loads."""
+default-model forward 10x slower under load), so test processes wait passively. Set before torch loads.
 
+Under pytest-xdist (`-n 2`, in pyproject.toml's addopts) each worker has a TMPDIR of its own, and each
+test module runs whole on one worker (`--dist loadgroup`)."""
+
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +17,36 @@ import pytest
 from gracelm.cache_dir import ENV
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# The modules that use the session's compiled decode graphs (`graph_cache`): on one worker, which builds them
+# once for both.
+GRAPH_MODULES = ("test_decode_graph.py", "test_kernel_paths.py")
+
+
+def _own_temp_dir_per_worker() -> None:
+    """A test checks that its server left nothing in TMPDIR: a server of the other worker is not its own. The
+    folder is short (socket paths in it must stay within 107 characters), and removed at exit, after what the
+    tests made in it (atexit runs last what registered first)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    path = Path(tempfile.gettempdir()) / f"gracelm-tests-{os.getppid()}-{worker}"
+    path.mkdir(exist_ok=True)
+    atexit.register(shutil.rmtree, path, True)
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = None
+
+
+_own_temp_dir_per_worker()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each module is one group of `--dist loadgroup`: its tests run in their order on one worker (some
+    follow each other, a restart reading what the test before it left), and its module-scoped servers start
+    once. Without xdist the marks do nothing."""
+    for item in items:
+        group = "compiled-graphs" if item.path.name in GRAPH_MODULES else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -220,7 +220,7 @@ def test_loading_leaves_nothing_in_the_temporary_directory_and_a_full_one_costs_
     monkeypatch.setattr(tempfile, "tempdir", None)
     DecodeGraph.load(package, graphs[0].rows, BLOCK, model.model)
     assert list(tmp_path.iterdir()) == []
-    with small_filesystem(tmp_path, "256k") as full:
+    with small_filesystem("256k") as full:
         monkeypatch.setenv("TMPDIR", str(full))
         monkeypatch.setattr(tempfile, "tempdir", None)
         with pytest.raises(Exception):  # noqa: B017 - whatever torch raises for a full disk

@@ -8,8 +8,10 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -77,18 +79,22 @@ def kill_9_when_idle(server: ServerProcess, process: psutil.Process) -> str:
 
 
 @contextlib.contextmanager
-def small_filesystem(tmp_path, size: str = "64k"):
-    """A tmpfs of `size` mounted by the test (root only), unmounted at the end."""
-    mount_point = tmp_path / "full"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+def small_filesystem(size: str = "64k"):
+    """A tmpfs of `size` mounted by the test (root only) on a folder of its own in /tmp, unmounted and removed
+    at the end. Not in the test's `tmp_path`: a server's sockets in it must have paths of at most 107
+    characters, and `tmp_path` is long under a private TMPDIR or a pytest-xdist worker."""
+    mount_point = Path(tempfile.mkdtemp(prefix="gracelm-fs-", dir="/tmp"))
     try:
-        yield mount_point
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+                                 capture_output=True, text=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+        try:
+            yield mount_point
+        finally:
+            subprocess.run(["umount", str(mount_point)], check=True)
     finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
+        mount_point.rmdir()
 
 
 @contextlib.contextmanager
@@ -127,9 +133,9 @@ def fill(mount_point) -> None:
 
 
 @contextlib.contextmanager
-def full_filesystem(tmp_path):
+def full_filesystem():
     """A tmpfs of 64 KiB, filled up: a runtime directory where no byte can be written."""
-    with small_filesystem(tmp_path) as mount_point:
+    with small_filesystem() as mount_point:
         fill(mount_point)
         yield mount_point
 

@@ -20,8 +20,8 @@ from tests.process_checks import leftover_children
 from tests.server_process import ServerProcess
 
 
-def test_a_full_runtime_filesystem_at_start_up_exits_3_naming_the_path(model, tmp_path):
-    with full_filesystem(tmp_path) as full:
+def test_a_full_runtime_filesystem_at_start_up_exits_3_naming_the_path(model):
+    with full_filesystem() as full:
         server = ServerProcess(model, "--kv-cache-memory", "4MiB", "--num-threads", "1", wait_ready=False,
                                env={"XDG_RUNTIME_DIR": str(full)})
         assert server.wait_exit(60) == 3, server.log()
@@ -34,8 +34,8 @@ def test_a_full_runtime_filesystem_at_start_up_exits_3_naming_the_path(model, tm
 
 
 
-def test_a_runtime_filesystem_filled_while_serving_is_a_clean_fatal_stop(model, tmp_path):
-    with small_filesystem(tmp_path, "1m") as runtime_base:
+def test_a_runtime_filesystem_filled_while_serving_is_a_clean_fatal_stop(model):
+    with small_filesystem("1m") as runtime_base:
         server = serve(model, env={"XDG_RUNTIME_DIR": str(runtime_base)})
         core = core_of(server)
         try:
