@@ -18,6 +18,12 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
 }
 
 
+# An embedding checkpoint of a family above may name its architecture `<Family>Model` (the decoder without
+# the logits head); BERT-like encoders (nomic, bge, e5) are refused by name: gracelm attends causally only.
+_DECODER_ONLY = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
+_ENCODERS = ("Bert", "NomicBert", "XLMRoberta", "Roberta", "ModernBert", "NewModel", "GteModel")
+
+
 class UnsupportedModelError(ValueError):
     """The weights describe a model this runtime cannot run."""
 
@@ -50,6 +56,12 @@ class ModelConfig:
         """Builds the config from a Hugging Face `config.json` dictionary."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else f"<none; model_type={hf.get('model_type')!r}>"
+        arch = _DECODER_ONLY.get(arch, arch)
+        if arch.startswith(_ENCODERS):
+            raise UnsupportedModelError(
+                f"{arch} is a BERT-family encoder (as nomic, bge and e5 embedding models are): gracelm "
+                f"serves decoder embedding models (Qwen3-Embedding) only"
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -128,6 +140,11 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DECODE_ATTENTION_CHOICES = ("auto", "fused", "unfused")
 
 
+# What a server does with its model (`model/pooling.py:resolve_task`): auto (an embedding model's files say
+# embed, else generate), generate (text), embed (vectors, /v1/embeddings).
+TASK_CHOICES = ("auto", "generate", "embed")
+
+
 def _cpu_features(names: list[str]) -> str | None:
     bad = cpu_features.unknown(names)
     if not bad:
@@ -142,6 +159,9 @@ class EngineConfig:
 
     model: str | None = option(None, "a Hugging Face model directory or a .gguf file (default: "
                                      "SmolLM2-135M-Instruct)")
+    task: str = option("auto", "what the model serves: generate (text: chat, completions), embed (vectors: "
+                               "/v1/embeddings, Engine.embed), auto (embed where the model has "
+                               "sentence-transformers' pooling files, else generate)", choices=TASK_CHOICES)
     dtype: str = option("auto", "weights and activations dtype (auto: the checkpoint's precision; half "
                                 "precision as bfloat16 where the device computes it natively)",
                         choices=DTYPE_CHOICES)

@@ -44,6 +44,33 @@ class ModelStep:
     # The requests whose prompt logprobs this step computes, in the order of their logits rows, which follow
     # the sampling rows.
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    # The embedding requests whose pooled positions this step computes, in the order of their rows, which
+    # follow the prompt rows: those rows' final hidden states are returned instead of logits.
+    pool_rows: list[PoolRows] = field(default_factory=list)
+
+
+@dataclass
+class PoolRows:
+    """Consecutive rows of one embedding request's pooled prompt positions (`Request.pooled_positions`)."""
+
+    request_id: str
+    num_rows: int
+
+
+@dataclass
+class PooledSum:
+    """The float32 sum of some pooled rows of one request's hidden states, and how many rows it sums: a
+    prompt prefilled in chunks is pooled chunk by chunk."""
+
+    vector: list[float]
+    count: int
+
+    def add(self, more: PooledSum) -> None:
+        self.vector = [a + b for a, b in zip(self.vector, more.vector, strict=True)]
+        self.count += more.count
+
+    def mean(self) -> list[float]:
+        return [x / self.count for x in self.vector]
 
 
 @dataclass
@@ -74,11 +101,13 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 
 @dataclass
 class StepResult:
-    """What rank 0 returns for a step: a token (or fault) per sampling row, in order, and the prompt logprobs
-    of each request of `ModelStep.prompt_rows`, by request id."""
+    """What rank 0 returns for a step: a token (or fault) per sampling row, in order, the prompt logprobs
+    of each request of `ModelStep.prompt_rows` and the pooled sums of each of `ModelStep.pool_rows`, by
+    request id."""
 
     sampled: list[SampledToken | SamplingFault]
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    pooled: dict[str, PooledSum] = field(default_factory=dict)
 
 
 @dataclass

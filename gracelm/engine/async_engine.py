@@ -16,7 +16,7 @@ from typing import Any
 
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
-from gracelm.engine.frontend import EngineFrontend, FatalHandler, Prompt
+from gracelm.engine.frontend import EMBEDDING_PARAMS, EngineFrontend, FatalHandler, Prompt
 from gracelm.engine.output_processor import RequestOutput
 from gracelm.lifecycle.ledger import Ledger
 from gracelm.lifecycle.process_end import ProcessEnd
@@ -87,12 +87,22 @@ class AsyncEngine(EngineFrontend):
         far. The last has `finished=True`. The prompt and the priority (lower runs first; equal ones first
         come, first served) are checked now (raising `ValueError` before anything is queued); closing or
         cancelling the iteration aborts the request in the core at once."""
+        return self._start(prompt, sampling_params, request_id, delta, priority, embedding=False)
+
+    def embed(self, prompt: Prompt, request_id: str, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """The outputs of one embedding request (an engine of task embed): one, finished, whose completion's
+        `embedding` is the pooled vector, which `pooling.finished` truncates and normalises. Checked and
+        aborted as `generate`'s."""
+        return self._start(prompt, EMBEDDING_PARAMS, request_id, True, priority, embedding=True)
+
+    def _start(self, prompt: Prompt, params: SamplingParams, request_id: str, delta: bool, priority: int, *,
+               embedding: bool) -> AsyncIterator[RequestOutput]:
         self._bind_loop()
         self._check_usable()
-        text, ids = self._prepare(prompt, sampling_params, priority)
+        text, ids = self._prepare(prompt, params, priority, embedding=embedding)
         stream = self._streams[request_id] = _Stream()
         try:
-            self._add(request_id, text, ids, sampling_params, priority)
+            self._add(request_id, text, ids, params, priority, embedding=embedding)
         except BaseException:
             self._streams.pop(request_id, None)
             self._abort(request_id)

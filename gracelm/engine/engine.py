@@ -9,18 +9,29 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tqdm import tqdm
 
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
-from gracelm.engine.frontend import EngineFrontend, FatalHandler, Messages, Prompt
+from gracelm.engine.frontend import EMBEDDING_PARAMS, EngineFrontend, FatalHandler, Messages, Prompt
 from gracelm.engine.output_processor import RequestOutput
 from gracelm.lifecycle.process_end import ProcessEnd
 from gracelm.sampling_params import SamplingParams
 
 T = TypeVar("T")
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (`Engine.embed`): its tokens and its vector, pooled and normalised as the model
+    defines (`model/pooling.py`); None when the request did not finish (the engine stopped first)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float] | None
 
 
 class Engine(EngineFrontend):
@@ -56,6 +67,26 @@ class Engine(EngineFrontend):
                     for prompt, params, rank in zip(prompts, all_params, priorities, strict=True)]
         return self._run(prepared, use_tqdm)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True,
+              priority: int | Sequence[int] = 0, dimensions: int | None = None) -> list[EmbeddingOutput]:
+        """The embedding of every prompt (as `generate` takes them), in order, from an engine of task embed;
+        `dimensions` truncates a Matryoshka model's vectors before they are normalised."""
+        self._check_usable()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if dimensions is not None and self.pooling is not None:
+            problem = self.pooling.check_dimensions(dimensions, self.model_config.hidden_size)
+            if problem is not None:
+                raise ValueError(f"dimensions {problem}")
+        priorities = _per_prompt(priority, int, len(prompts))
+        prepared = [(*self._prepare(prompt, EMBEDDING_PARAMS, rank, embedding=True), EMBEDDING_PARAMS, rank)
+                    for prompt, rank in zip(prompts, priorities, strict=True)]
+        outputs = self._run(prepared, use_tqdm, embedding=True)
+        assert self.pooling is not None  # `_prepare` refused embeddings otherwise
+        return [EmbeddingOutput(o.request_id, o.prompt_token_ids, None if o.outputs[0].embedding is None
+                                else self.pooling.finished(o.outputs[0].embedding, dimensions))
+                for o in outputs]
+
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, priority: int | Sequence[int] = 0) -> list[RequestOutput]:
@@ -78,13 +109,13 @@ class Engine(EngineFrontend):
                     self._process(message)
 
     def _run(self, prepared: list[tuple[str | None, list[int], SamplingParams, int]],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, embedding: bool = False) -> list[RequestOutput]:
         request_ids = [str(next(self._request_ids)) for _ in prepared]
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prepared), desc="generating", disable=not use_tqdm)
         try:
             for request_id, (text, ids, params, priority) in zip(request_ids, prepared, strict=True):
-                self._add(request_id, text, ids, params, priority)
+                self._add(request_id, text, ids, params, priority, embedding=embedding)
             finished = 0
             while finished < len(request_ids):
                 message = self._next_message()

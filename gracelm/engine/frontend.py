@@ -27,6 +27,7 @@ from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.output_processor import OpenRequest, OutputProcessor
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.process_end import ProcessEnd
+from gracelm.model.pooling import Pooling, read_pooling, resolve_task
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.parallel.layout import check_parallel_config
 from gracelm.sampling_params import SamplingParams
@@ -37,6 +38,9 @@ Prompt = str | list[int]
 Messages = list[dict[str, Any]]
 FatalHandler = Callable[[ProcessEnd], None]
 
+
+# What an embedding request runs with: its one completion, of no token (the core samples none).
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
 
 # The priorities a request may have: a signed 32-bit integer, wide enough for a deadline in epoch seconds.
 MIN_PRIORITY, MAX_PRIORITY = -2**31, 2**31 - 1
@@ -57,15 +61,37 @@ class PromptError(ValueError):
         self.too_long = too_long
 
 
+class TaskError(ValueError):
+    """A request of the task the engine does not serve: text from an embedding model, or the reverse."""
+
+
+def check_task(pooling: Pooling | None, embedding: bool) -> None:
+    """Raises `TaskError` unless the engine (an embedding model where `pooling` is set) serves the request
+    (an embedding where `embedding`)."""
+    if embedding and pooling is None:
+        raise TaskError("this model generates text (task generate): embeddings need an embedding model, "
+                        "served with --task embed")
+    if not embedding and pooling is not None:
+        raise TaskError("this model is served for embeddings (task embed): it generates no text; ask "
+                        "/v1/embeddings (Engine.embed), or serve a generation model")
+
+
 def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, *, embedding: bool = False) -> None:
     """The one check of a prompt, before anything is queued: non-empty, known token ids, and shorter than
-    `max_model_len`, so that at least one token can be generated within the context. Raises `PromptError`
-    (an overflow in OpenAI's words, counting `max_tokens`, or the one token, as the completion)."""
+    `max_model_len`, so that at least one token can be generated within the context (an `embedding`'s
+    input may fill it). Raises `PromptError` (an overflow in OpenAI's words, counting `max_tokens`, or the
+    one token, as the completion)."""
     if not prompt_token_ids:
         raise PromptError("the prompt is empty")
     if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
         raise PromptError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if embedding:
+        if len(prompt_token_ids) > max_model_len:
+            raise PromptError(f"This model's maximum context length is {max_model_len} tokens. However, "
+                              f"you requested {len(prompt_token_ids)} tokens in the input for embedding. "
+                              f"Please reduce the length of the input.", too_long=True)
+        return
     if len(prompt_token_ids) >= max_model_len:
         completion = max_tokens if max_tokens is not None else 1
         raise PromptError(context_overflow_message(max_model_len, len(prompt_token_ids), completion),
@@ -89,6 +115,9 @@ class EngineFrontend:
         self._shut_down = False
         self._calls_pending = 0  # utility calls sent and not answered
         check_parallel_config(config)  # an unsplittable model is refused before any process starts
+        config = dataclasses.replace(config, task=resolve_task(config.task, config.model))
+        # The embedding model's pooling (None when it generates), from its files: before any process starts.
+        self.pooling = _embedding_pooling(config)
         self._client = EngineCoreClient(config, self._ledger)
         ready = self._client.ready
         # Built by the core, which reads the model's files; rebuilt here without transformers or torch.
@@ -160,11 +189,13 @@ class EngineFrontend:
         """The instance's runtime directory (ipc sockets, heartbeat; the server's metrics files)."""
         return self._client.runtime_dir.path
 
-    def _prepare(self, prompt: Prompt, params: SamplingParams, priority: int) -> tuple[str | None, list[int]]:
-        """Tokenizes and checks a prompt and its request's priority; raises `ValueError` before anything is
-        queued."""
+    def _prepare(self, prompt: Prompt, params: SamplingParams, priority: int, *,
+                 embedding: bool = False) -> tuple[str | None, list[int]]:
+        """Tokenizes and checks a prompt and its request's priority and task (`embedding` or generation);
+        raises `ValueError` before anything is queued."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        check_task(self.pooling, embedding)
         check_priority(priority)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
@@ -172,7 +203,8 @@ class EngineFrontend:
             text, ids = None, list(prompt)
         # The one check of a prompt: raises `PromptError`, a `ValueError`.
         assert self.config.max_model_len is not None
-        check_prompt(ids, self.config.max_model_len, self.model_config.vocab_size, params.max_tokens)
+        check_prompt(ids, self.config.max_model_len, self.model_config.vocab_size, params.max_tokens,
+                     embedding=embedding)
         return text, ids
 
     def open_requests(self) -> list[OpenRequest]:
@@ -195,8 +227,10 @@ class EngineFrontend:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-             priority: int) -> None:
-        for add in self._processor.add_request(request_id, text, ids, params, priority):
+             priority: int, *, embedding: bool = False) -> None:
+        """Sends the request to the core: generation, or with `embedding` its prompt pooled."""
+        pooling = self.pooling.method if embedding and self.pooling is not None else None
+        for add in self._processor.add_request(request_id, text, ids, params, priority, pooling):
             self._client.send(add)
         self._update_busy()
 
@@ -251,6 +285,14 @@ class EngineFrontend:
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
+
+
+def _embedding_pooling(config: EngineConfig) -> Pooling | None:
+    if config.task != "embed":
+        return None
+    if config.tensor_parallel_size > 1:
+        raise ValueError("task embed (--task) is served on one rank: tensor_parallel_size must be 1")
+    return read_pooling(config.model)
 
 
 def _call_if_alive(ref: weakref.ref, end: ProcessEnd) -> None:

@@ -32,6 +32,7 @@ class AddRequest(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
     arrival_time: float
     priority: int = 0  # lower runs first (`request.Request.priority`)
+    pooling: str | None = None  # an embedding: its prompt pooled so (`model/pooling.py`), no token sampled
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -76,7 +77,8 @@ class TokenOutput(msgspec.Struct, array_like=True):
     `stop_reason` is the stop token id when the request ended on one; logprobs fields are set when the
     request asked for them: the sampled token's logprob and the top-N alternatives. `fault` names the stage
     whose exception ended this request alone (finish_reason "error", no token): "sampling" or "stop_check".
-    A request that asked for prompt logprobs gets them all with its first token.
+    A request that asked for prompt logprobs gets them all with its first token. An embedding request ends
+    with its pooled vector in `embedding` and no token.
     """
 
     request_id: str
@@ -88,6 +90,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     top_logprobs: list[float] | None = None
     fault: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    embedding: list[float] | None = None
 
 
 class OutputsBatch(msgspec.Struct, tag=True):

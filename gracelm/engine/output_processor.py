@@ -61,7 +61,8 @@ class CompletionOutput:
     `stop_reason` is the stop string or stop token id that ended it, if any. `logprobs` has, for
     each generated token, a dict from token id to `Logprob` holding the sampled token and the top-N ones.
     `prompt_logprobs` (when asked for) has the same for each prompt token, None for the first (vLLM's
-    shape); the first delta of the completion carries it.
+    shape); the first delta of the completion carries it. An embedding request's one completion has no
+    token: its `embedding` is the pooled vector, as the engine computed it (`Pooling.finished` finishes it).
     """
 
     index: int
@@ -72,6 +73,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -85,6 +87,8 @@ class CompletionOutput:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.cumulative_logprob is not None:
             self.cumulative_logprob = delta.cumulative_logprob  # a running total already
         if delta.finish_reason is not None:
@@ -133,6 +137,7 @@ class _Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None
     moved: bool = False
     num_generated: int = 0  # every token so far, for the progress of `open_requests`
 
@@ -141,9 +146,9 @@ class _Completion:
             index=self.index, text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason,
             logprobs=self.logprobs if self.wants_logprobs else None,
             cumulative_logprob=self.cumulative_logprob if self.wants_logprobs else None,
-            stop_reason=self.stop_reason, prompt_logprobs=self.prompt_logprobs)
+            stop_reason=self.stop_reason, prompt_logprobs=self.prompt_logprobs, embedding=self.embedding)
         self.text, self.token_ids, self.logprobs, self.moved = "", [], [], False
-        self.prompt_logprobs = None
+        self.prompt_logprobs = self.embedding = None
         return delta
 
 
@@ -201,8 +206,10 @@ class OutputProcessor:
         return bool(self._by_core_id)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> list[msg.AddRequest]:
-        """Tracks a request; returns the core requests to send for it, each with the request's priority."""
+                    params: SamplingParams, priority: int = 0,
+                    pooling: str | None = None) -> list[msg.AddRequest]:
+        """Tracks a request; returns the core requests to send for it, each with the request's priority
+        (and `pooling`, for an embedding)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
@@ -223,7 +230,7 @@ class OutputProcessor:
             self._by_core_id[core_id] = (state, completion)
             core_params = msgspec.structs.replace(params, n=1, seed=params.choice_seed(index))
             adds.append(msg.AddRequest(core_id, prompt_token_ids, core_params,
-                                       list(self.tokenizer.eos_token_ids), arrival, priority))
+                                       list(self.tokenizer.eos_token_ids), arrival, priority, pooling))
         self._requests[request_id] = state
         return adds
 
@@ -300,6 +307,7 @@ class OutputProcessor:
     def _apply(self, completion: _Completion, out: msg.TokenOutput) -> bool:
         """Applies one core output; True when a stop string ended the completion here (abort it)."""
         completion.moved = True
+        completion.embedding = out.embedding
         if out.token_id is None:
             self._finish(completion, out.finish_reason or "abort")
             return False

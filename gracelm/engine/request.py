@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from gracelm.model_step import PromptLogprobs
+from gracelm.model_step import PooledSum, PromptLogprobs
 from gracelm.sampling_params import SamplingParams
 
 
@@ -50,6 +50,11 @@ class Request:
     them, `num_prompt_logprobs` positions so far (a recompute after a preemption does not compute them
     again), until its first token carries them out; the field is None before and after.
 
+    An embedding request (`pooling` set: "last", "mean" or "cls") samples no token: its prefill computes
+    the final hidden states of its `pooled_positions`, gathered in `pooled` as the chunks run (positions
+    below `num_pooled` were gathered before a preemption), and it finishes with their pooled vector once
+    its last prompt token is computed.
+
     `priority`: a lower value runs first (vLLM's convention); requests of equal priority run first come,
     first served, by `arrival_order`, which the scheduler sets when it queues the request.
     """
@@ -68,6 +73,9 @@ class Request:
     stop_reason: int | None = None  # the stop_token_ids entry that ended the request; None for eos
     prompt_logprobs: PromptLogprobs | None = None
     num_prompt_logprobs: int = 0
+    pooling: str | None = None
+    pooled: PooledSum | None = None
+    num_pooled: int = 0
     arrival_order: int = 0
     _all_token_ids: list[int] = field(init=False, repr=False)
 
@@ -81,6 +89,30 @@ class Request:
         """Whether prefill must still compute prompt logprobs: then it may not take cached blocks, which
         have no logits."""
         return self.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+
+    @property
+    def takes_cached_prefix(self) -> bool:
+        """Whether prefill may skip cached blocks: not while it must compute rows of them (prompt logprobs,
+        or pooled positions other than the last)."""
+        return not self.gathers_prompt_logprobs and self.pooling in (None, "last")
+
+    @property
+    def pooled_positions(self) -> range:
+        """The prompt positions an embedding request's pooling takes (none for a generation request)."""
+        if self.pooling is None:
+            return range(0)
+        if self.pooling == "last":
+            return range(self.num_prompt_tokens - 1, self.num_prompt_tokens)
+        return range(0, 1 if self.pooling == "cls" else self.num_prompt_tokens)
+
+    def add_pooled(self, part: PooledSum | None, computed: int) -> None:
+        """Gathers a chunk's pooled sum; the positions below `computed` are pooled from now on."""
+        if part is not None:
+            if self.pooled is None:
+                self.pooled = part
+            else:
+                self.pooled.add(part)
+        self.num_pooled = max(self.num_pooled, computed)
 
     def add_prompt_logprobs(self, more: PromptLogprobs) -> None:
         assert self.prompt_logprobs is not None

@@ -17,6 +17,10 @@ priority gets its tokens (decode or prefill chunk) before any of lower priority,
 With one priority this is plain FCFS: running requests first in arrival order, then the waiting head, and
 the request preempted is always the most recently arrived running one.
 
+Embedding requests (`Request.pooling`) are scheduled as any prefill, by the same order and budget: their
+chunks' pooled positions become rows whose hidden states come back summed (`ModelStep.pool_rows`), and the
+step that computes the last prompt token finishes them with their pooled vector ("stop"), sampling nothing.
+
 Containment: a request whose sampling failed (a `SamplingFault` in place of its token) or whose own update
 raises (its stop checks) finishes with `finish_reason="error"`, its blocks freed; the other requests of the
 step are updated as usual. The KV-cache bookkeeping is not guarded: a fault there is the engine's, fatal.
@@ -33,7 +37,16 @@ from dataclasses import dataclass, field
 from gracelm.arith import cdiv
 from gracelm.engine.kv_cache_manager import KVCacheManager
 from gracelm.engine.request import Request, RequestStatus
-from gracelm.model_step import ModelStep, PromptLogprobs, PromptRows, SampledToken, SamplingFault, StepBatch
+from gracelm.model_step import (
+    ModelStep,
+    PooledSum,
+    PoolRows,
+    PromptLogprobs,
+    PromptRows,
+    SampledToken,
+    SamplingFault,
+    StepBatch,
+)
 
 logger = logging.getLogger(__name__)
 # The stages of a request's own faults, as `RequestUpdate.fault` names them.
@@ -75,7 +88,12 @@ class ScheduledRequest:
     num_new_tokens: int
     start_position: int  # position of the first new token: the request's computed tokens before the step
     block_ids: list[int]  # the request's whole block table for this step (a copy)
-    samples: bool  # the step computes the request's last token, so a next token is sampled for it
+    samples: bool  # the step computes the request's last token: a next token is sampled, or it is pooled
+
+    @property
+    def draws(self) -> bool:
+        """Whether a token is sampled for the request this step (an embedding request is pooled instead)."""
+        return self.samples and self.request.pooling is None
 
 
 @dataclass
@@ -87,18 +105,21 @@ class SchedulerOutput:
     @property
     def sampling(self) -> list[ScheduledRequest]:
         """The scheduled requests that sample a token this step, in batch order (the logits' order)."""
-        return [item for item in self.scheduled if item.samples]
+        return [item for item in self.scheduled if item.draws]
 
     def model_step(self, block_size: int) -> ModelStep:
         """The step as the executor takes it: the token rows of one forward pass and, for each row that
         samples, its request's sampling inputs; then the rows of the prompt positions whose logprobs are
-        asked for (those not computed before a preemption)."""
+        asked for (those not computed before a preemption), and those of embedding requests' pooled
+        positions (likewise)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
         prompt_indices: list[int] = []
         prompt_rows: list[PromptRows] = []
+        pool_indices: list[int] = []
+        pool_rows: list[PoolRows] = []
         for item in self.scheduled:
             start, end = item.start_position, item.start_position + item.num_new_tokens
             request = item.request
@@ -109,11 +130,16 @@ class SchedulerOutput:
                 targets = request.prompt_token_ids[first + 1:last + 1]
                 prompt_rows.append(PromptRows(request.request_id, targets,
                                               request.sampling_params.prompt_logprobs or 0))
+            pooled = request.pooled_positions
+            first, last = max(start, request.num_pooled, pooled.start), min(end, pooled.stop)
+            if first < last:
+                pool_indices.extend(range(len(input_ids) + first - start, len(input_ids) + last - start))
+                pool_rows.append(PoolRows(request.request_id, last - first))
             input_ids.extend(item.request.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(item.block_ids[pos // block_size] * block_size + pos % block_size
                          for pos in range(start, end))
-            if item.samples:
+            if item.draws:
                 logits_indices.append(len(input_ids) - 1)
         width = max(len(item.block_ids) for item in self.scheduled)
         batch = StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots,
@@ -121,12 +147,12 @@ class SchedulerOutput:
                           seq_lens=[item.start_position + item.num_new_tokens for item in self.scheduled],
                           block_tables=[item.block_ids + [0] * (width - len(item.block_ids))
                                         for item in self.scheduled],
-                          logits_indices=logits_indices + prompt_indices,
+                          logits_indices=logits_indices + prompt_indices + pool_indices,
                           prompt_lens=[item.request.num_prompt_tokens for item in self.scheduled])
         sampling = [item.request for item in self.sampling]
         return ModelStep(batch, [r.request_id for r in sampling], [r.sampling_params for r in sampling],
                          [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling],
-                         [r.held_stop_ids() for r in sampling], prompt_rows)
+                         [r.held_stop_ids() for r in sampling], prompt_rows, pool_rows)
 
 
 @dataclass(frozen=True)
@@ -138,6 +164,7 @@ class RequestUpdate:
     stop_reason: int | None  # the stop_token_ids entry that ended it
     fault: str | None = None  # the stage whose exception ended this request ("error")
     prompt_logprobs: PromptLogprobs | None = None  # with the first token of a request that asked
+    embedding: list[float] | None = None  # an embedding request's pooled vector, when it finishes
 
     @property
     def token_id(self) -> int | None:
@@ -209,23 +236,32 @@ class Scheduler:
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken | SamplingFault],
-                           prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> list[RequestUpdate]:
-        """Records a step's results: computed tokens, newly full blocks, prompt logprobs, sampled tokens and
-        stops. `sampled` holds one token (or fault) per request of `output.sampling`, in that order;
-        `prompt_logprobs` what the step computed of the prompt logprobs of requests that asked."""
+                           prompt_logprobs: dict[str, PromptLogprobs] | None = None,
+                           pooled: dict[str, PooledSum] | None = None) -> list[RequestUpdate]:
+        """Records a step's results: computed tokens, newly full blocks, prompt logprobs, pooled sums,
+        sampled tokens and stops. `sampled` holds one token (or fault) per request of `output.sampling`, in
+        that order; `prompt_logprobs` and `pooled` what the step computed of the prompt logprobs of requests
+        that asked and of embedding requests' pooled rows."""
         prompt_logprobs = prompt_logprobs or {}
+        pooled = pooled or {}
         updates = []
         any_finished = False
         tokens = iter(sampled)
         for item in output.scheduled:
             request = item.request
-            token = next(tokens) if item.samples else None
+            token = next(tokens) if item.draws else None
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_full_blocks(request)
             if request.request_id in prompt_logprobs:
                 request.add_prompt_logprobs(prompt_logprobs[request.request_id])
+            if request.pooling is not None:
+                request.add_pooled(pooled.get(request.request_id), request.num_computed_tokens)
+                if item.samples:
+                    updates.append(self._embedded(request))
+                    any_finished = True
+                continue
             if token is None:
                 continue
             if isinstance(token, SamplingFault):
@@ -314,9 +350,9 @@ class Scheduler:
         while len(self.running) >= self.config.max_num_seqs:
             if not self._preempt_lower(request, output):
                 return None
-        # Cached blocks have no logits: a request still gathering prompt logprobs computes its prompt.
+        # Cached blocks have no logits nor hidden states: `takes_cached_prefix` says who needs neither.
         computed_blocks, num_cached = [], 0
-        if not request.gathers_prompt_logprobs:
+        if request.takes_cached_prefix:
             computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
         num_new = self._chunk(request.num_tokens - num_cached, budget)
         # Preempting only frees blocks, so the cached prefix found above stays valid meanwhile.
@@ -369,6 +405,13 @@ class Scheduler:
                 max_tokens is not None and len(request.output_token_ids) >= max_tokens):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _embedded(self, request: Request) -> RequestUpdate:
+        """Ends an embedding request whose last prompt token was computed, with its pooled vector."""
+        assert request.pooled is not None
+        embedding = request.pooled.mean()
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return RequestUpdate(request.request_id, None, True, request.finish_reason, None, embedding=embedding)
 
     def _fail(self, request: Request, stage: str, error: str) -> RequestUpdate:
         """Ends a request whose own processing raised, with finish_reason "error"."""

@@ -407,9 +407,11 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """With tied embeddings there is no `lm_head` module: the logits reuse `model.embed_tokens.weight`,
-    so the state dict has exactly the keys a tied HF checkpoint has."""
+    so the state dict has exactly the keys a tied HF checkpoint has. Without `head` (an embedding model,
+    whose final hidden states are pooled: `model/pooling.py`) there are no logits at all: only `model`
+    runs."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, head: bool = True) -> None:
         super().__init__()
         if config.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(
@@ -417,7 +419,8 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.model = LlamaModel(config)
-        if not config.tie_word_embeddings:
+        self.head = head
+        if head and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_proj: FrozenLinear | None = None
 
@@ -433,6 +436,8 @@ class LlamaForCausalLM(nn.Module):
             int4_max_rows = rows_for(dtype, type(next(iter(int4.values())))) if int4 else 0
         choice = Int4Choice.of(self, int4, int4_max_rows, dtype) if int4 else None
         self.model.freeze(choice)
+        if not self.head:
+            return
         # Tied: the embedding keeps its plain matrix for lookups, the logits get their own (packed) copy.
         head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         self.logits_proj = FrozenLinear.of([head], choice)

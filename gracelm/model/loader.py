@@ -78,7 +78,7 @@ class LoadedModel:
 
 def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
                quantization: str = "auto", device: torch.device | str = "cpu",
-               dense_weights: str = "on") -> LoadedModel:
+               dense_weights: str = "on", embedding: bool = False) -> LoadedModel:
     """Loads weights, config and tokenizer onto `device`; `path=None` is the default model
     (SmolLM2-135M-Instruct GGUF).
 
@@ -86,7 +86,8 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
     and 8-bit blocks in a low-bit kernel's form (`quantized_linear.form_for`) where the model runs on the
     CPU in bfloat16, or in float32 chosen by "auto" (`quantized_linear.int4_serves`); "none" loads dense
     weights only. `dense_weights` (`config.DENSE_WEIGHTS_CHOICES`; the engine's option, whose default is
-    "auto"): whether the matrices of those forms also have a dense copy (`_dense_copy`)."""
+    "auto"): whether the matrices of those forms also have a dense copy (`_dense_copy`). `embedding`: the
+    decoder alone, for pooling (`build_model`); a Hugging Face directory only."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATION_CHOICES:
@@ -95,7 +96,7 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
     path = resolve_model_path(path)
     device = torch.device(device)
     if path.is_dir():
-        loaded = _load_hf_directory(path, dtype, device)
+        loaded = _load_hf_directory(path, dtype, device, embedding)
     else:
         loaded = _load_gguf_file(path, dtype, quantization, device, dense_weights)
     if device.type != "cpu":
@@ -103,7 +104,7 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
     return loaded
 
 
-def _load_hf_directory(path: Path, dtype: str, device: torch.device) -> LoadedModel:
+def _load_hf_directory(path: Path, dtype: str, device: torch.device, embedding: bool) -> LoadedModel:
     config = read_hf_config(path)
     with ExitStack() as stack:
         handles = {file: stack.enter_context(_open_safetensors(file)) for file in _safetensors_files(path)}
@@ -112,7 +113,7 @@ def _load_hf_directory(path: Path, dtype: str, device: torch.device) -> LoadedMo
         _check_weights_fit(shapes, 0, target, device)
         state = dict(_read_tensors(handles, target))
     mark("read")
-    model = build_model(config, state, target, source=path)
+    model = build_model(config, state, target, source=path, head=not embedding)
     mark("model")
     tokenizer = cached_tokenizer(content_hash(path), lambda: Tokenizer.from_dir(path))
     mark("tokenizer")
@@ -199,14 +200,19 @@ def _check_weights_fit(shapes: list, low_bit_bytes: int, dtype: torch.dtype, dev
 
 
 def build_model(
-    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, source: Path
+    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, source: Path, head: bool = True
 ) -> LlamaForCausalLM:
-    """Assigns `state` (HF names, already in `dtype`) into a module built without allocating weights."""
+    """Assigns `state` (HF names, already in `dtype`) into a module built without allocating weights;
+    without `head`, the decoder alone (an embedding model's checkpoint may name its tensors without the
+    `model.` prefix, as its `<Family>Model` saves them, and has no logits head)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, head=head)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected = set(shapes)
     state = {name: t for name, t in state.items() if not name.endswith(_IGNORED_SUFFIXES)}
+    if not head:
+        state = {name if name.startswith(("model.", "lm_head.")) else f"model.{name}": t
+                 for name, t in state.items() if not name.startswith("lm_head.")}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
     missing = sorted(expected - state.keys())

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import gracelm.startup_timeline as startup_timeline
 from gracelm.arith import cdiv
 from gracelm.model.low_bit_gate import SHORT_PROMPT
-from gracelm.model_step import ModelStep, StepBatch
+from gracelm.model_step import ModelStep, PoolRows, StepBatch
 from gracelm.parallel.worker import Worker
 from gracelm.sampling_params import SamplingParams
 
@@ -61,9 +61,10 @@ _SEQUENCES = (
 )
 
 
-def warmup_steps(block_size: int, num_blocks: int, vocab_size: int) -> list[ModelStep]:
+def warmup_steps(block_size: int, num_blocks: int, vocab_size: int, pooled: bool = False) -> list[ModelStep]:
     """The warm-up's steps over blocks 0 and up of a cache of `num_blocks`; a sequence whose blocks do not
-    fit is left out (none fits: no step)."""
+    fit is left out (none fits: no step). `pooled`: an embedding model's, whose rows are pooled, not
+    sampled."""
     sequences = _sequences(block_size, num_blocks, vocab_size)
     if not sequences:
         return []
@@ -73,7 +74,13 @@ def warmup_steps(block_size: int, num_blocks: int, vocab_size: int) -> list[Mode
         steps.append(_step([(s, s.prompt_len + decoded, 1) for s in sequences], block_size))
     for decoded in range(DECODE_STEPS, 2 * DECODE_STEPS):
         steps.append(_step([(first, first.prompt_len + decoded, 1)], block_size))
-    return steps
+    return [_pooled(step) for step in steps] if pooled else steps
+
+
+def _pooled(step: ModelStep) -> ModelStep:
+    """The step with each of its rows pooled instead of sampled."""
+    return ModelStep(step.batch, [], [], [], [],
+                     pool_rows=[PoolRows(request_id, 1) for request_id in step.request_ids])
 
 
 def _sequences(block_size: int, num_blocks: int, vocab_size: int) -> list[_Sequence]:

@@ -46,6 +46,7 @@ from gracelm.model.kv_cache_commit import KVCacheCommit
 from gracelm.model.llama import describe_linear_kernels, linear_path
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.memory_use import tensor_bytes
+from gracelm.model.pooling import pooled_sums
 from gracelm.model.prompt_logprobs import prompt_logprobs
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
 from gracelm.model.token_constraints import ConstraintStates, has_constraints
@@ -104,7 +105,7 @@ class Worker:
         torch.set_num_threads(self.config.num_threads or share)
         keep_freed_memory()
         self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization, self.device,
-                                 dense_weights_for(self.config))
+                                 dense_weights_for(self.config), embedding=self.config.task == "embed")
         # Freezing fuses and repacks the HF-named linears, so it comes last: after sharding, which splits them
         # (the tensor-parallel shard freezes itself once split).
         if self.world_size > 1:
@@ -217,20 +218,27 @@ class Worker:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
-        """The step's logits (None on a rank other than 0 of a tensor-parallel group)."""
+        """The step's logits (None on a rank other than 0 of a tensor-parallel group); for an embedding
+        model (one rank), the final-norm hidden states of the same rows, which are pooled."""
         assert self.loaded is not None
+        inputs = ForwardBatch.from_step_batch(batch, self.device)
+        if not self.loaded.model.head:
+            return self.loaded.model.model(inputs, self.kv_caches)
         model = self.shard if self.shard is not None else self.loaded.model
-        return model(ForwardBatch.from_step_batch(batch, self.device), self.kv_caches)
+        return model(inputs, self.kv_caches)
 
     @torch.inference_mode()
     def sample_step(self, step: ModelStep) -> StepResult:
         """Rank 0: runs the forward pass of the step, samples one token per row that samples (or, for a
-        row whose sampling raised, a `SamplingFault`) and scores the prompt rows asked for."""
-        logits = self.forward(step.batch)
-        assert logits is not None
+        row whose sampling raised, a `SamplingFault`), scores the prompt rows asked for and sums the rows
+        that embedding requests pool (an embedding model's steps have these alone)."""
+        out = self.forward(step.batch)
+        assert out is not None
         num_sampling = len(step.request_ids)
-        return StepResult(self._sample_rows(logits[:num_sampling], step),
-                          prompt_logprobs(logits[num_sampling:], step.prompt_rows))
+        num_scored = num_sampling + sum(len(rows.target_ids) for rows in step.prompt_rows)
+        return StepResult(self._sample_rows(out[:num_sampling], step),
+                          prompt_logprobs(out[num_sampling:num_scored], step.prompt_rows),
+                          pooled_sums(out[num_scored:], step.pool_rows))
 
     def _sample_rows(self, logits: torch.Tensor, step: ModelStep) -> list[SampledToken | SamplingFault]:
         if not step.request_ids:

@@ -1,0 +1,141 @@
+"""How an embedding model turns a prompt's hidden states into one vector, read from its files, and the last
+touches of that vector. Imports no torch: the frontend resolves the task and finishes the vectors.
+
+An embedding model is a decoder whose final-norm hidden states are pooled: the last token's
+(Qwen3-Embedding), their mean, or the first token's ("cls"), as sentence-transformers' files say
+(`modules.json` names the Pooling module's directory, whose `config.json` sets one `pooling_mode_*` flag; a
+Normalize module makes the vector unit-length). A decoder without those files is pooled at its last token
+and normalised, as vLLM does for `--task embed`.
+
+In a step, the rows of each request's pooled positions are summed (`pooled_sums`: tensor methods only, so
+this module imports no torch) and the scheduler adds the chunks' sums up; the engine returns the pooled vector
+as it is (for "mean" the rows' mean); `finished` applies what the
+request and the model ask on top: Matryoshka truncation to `dimensions` (only where config.json declares
+`is_matryoshka` or `matryoshka_dimensions`: other models' leading dimensions mean nothing alone), then
+normalisation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from gracelm.config import TASK_CHOICES
+from gracelm.model.model_files import ModelLoadError, resolve_model_path
+from gracelm.model_step import PooledSum, PoolRows
+
+# sentence-transformers' flags, in the order they are looked for, and the pooling each names.
+_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+          "pooling_mode_cls_token": "cls"}
+_POOLING_MODULE = "sentence_transformers.models.Pooling"
+_NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
+
+
+class Pooling(msgspec.Struct, frozen=True):
+    """An embedding model's pooling: `method` ("last", "mean" or "cls"), whether the vector is normalised,
+    and the `dimensions` it may be truncated to (None: not a Matryoshka model; empty: any)."""
+
+    method: str = "last"
+    normalize: bool = True
+    dimensions: tuple[int, ...] | None = None
+
+    def check_dimensions(self, dimensions: int, hidden_size: int) -> str | None:
+        """What is wrong with truncating to `dimensions` (completing "dimensions ..."), or None."""
+        if self.dimensions is None:
+            return ("is not supported by this model: it declares no Matryoshka representation "
+                    "(is_matryoshka or matryoshka_dimensions in its config.json)")
+        if not 1 <= dimensions <= hidden_size:
+            return f"must be between 1 and {hidden_size}, got {dimensions}"
+        if self.dimensions and dimensions not in self.dimensions:
+            return f"must be one of {', '.join(map(str, self.dimensions))}, got {dimensions}"
+        return None
+
+    def finished(self, vector: list[float], dimensions: int | None = None,
+                 normalize: bool | None = None) -> list[float]:
+        """`vector` truncated to `dimensions` (if given) and normalised as the model defines, or as
+        `normalize` says where given."""
+        if dimensions is not None:
+            vector = vector[:dimensions]
+        if not (self.normalize if normalize is None else normalize):
+            return list(vector)
+        norm = math.sqrt(math.fsum(x * x for x in vector))
+        return [x / norm for x in vector] if norm > 0 else list(vector)
+
+
+def pooled_sums(hidden: Any, rows: list[PoolRows]) -> dict[str, PooledSum]:
+    """Each request's rows of `hidden` (a tensor of the step's pooled rows, in the order of `rows`) summed
+    in float32."""
+    if not rows:
+        return {}
+    parts = hidden.float().split([r.num_rows for r in rows])
+    return {r.request_id: PooledSum(part.sum(0).tolist(), r.num_rows)
+            for r, part in zip(rows, parts, strict=True)}
+
+
+def resolve_task(task: str, model: str | os.PathLike[str] | None) -> str:
+    """"generate" or "embed": the task asked, or with "auto" the one the model's files name (an embedding
+    model has sentence-transformers' Pooling module)."""
+    if task not in TASK_CHOICES:
+        raise ValueError(f"task must be one of {', '.join(TASK_CHOICES)}, got {task!r}")
+    if task != "auto":
+        return task
+    path = resolve_model_path(model)
+    return "embed" if path.is_dir() and _pooling_dir(path) is not None else "generate"
+
+
+def read_pooling(model: str | os.PathLike[str] | None) -> Pooling:
+    """The pooling of the embedding model at `model` (a Hugging Face directory; a GGUF file is refused)."""
+    path = resolve_model_path(model)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: embeddings are served from Hugging Face model directories; a GGUF "
+                             f"file is not supported with --task embed")
+    pooling_dir = _pooling_dir(path)
+    hf = _json(path / "config.json") or {}
+    method = "last" if pooling_dir is None else _method(pooling_dir)
+    normalize = pooling_dir is None or _has_module(path, _NORMALIZE_MODULE)
+    return Pooling(method, normalize, _matryoshka(hf))
+
+
+def _pooling_dir(path: Path) -> Path | None:
+    """The directory of the Pooling module that `modules.json` lists, if any."""
+    for module in _json(path / "modules.json") or []:
+        if isinstance(module, dict) and module.get("type") == _POOLING_MODULE:
+            return path / str(module.get("path", ""))
+    return None
+
+
+def _has_module(path: Path, kind: str) -> bool:
+    return any(isinstance(m, dict) and m.get("type") == kind for m in _json(path / "modules.json") or [])
+
+
+def _method(pooling_dir: Path) -> str:
+    config = _json(pooling_dir / "config.json") or {}
+    methods = [method for flag, method in _MODES.items() if config.get(flag)]
+    others = sorted(flag for flag, value in config.items()
+                    if flag.startswith("pooling_mode_") and value and flag not in _MODES)
+    if len(methods) != 1 or others:
+        named = ", ".join(others or [f for f in _MODES if config.get(f)]) or "none"
+        raise ModelLoadError(f"{pooling_dir}: one of {', '.join(_MODES)} must be set, and only it; this "
+                             f"model sets {named}")
+    return methods[0]
+
+
+def _matryoshka(hf: dict[str, Any]) -> tuple[int, ...] | None:
+    listed = hf.get("matryoshka_dimensions")
+    if isinstance(listed, list) and listed:
+        return tuple(int(d) for d in listed)
+    return () if hf.get("is_matryoshka") else None
+
+
+def _json(file: Path) -> Any:
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
