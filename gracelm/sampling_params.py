@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from gracelm.structured_output import StructuredOutputs
+from gracelm.thinking_span import ThinkingSpan
 
 # OpenAI's limit on choices per request: the fan-out one request may ask of the engine.
 MAX_N = 128
@@ -32,6 +33,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     JSON schema, a regular expression, a choice or a grammar; `logit_bias` adds its bias (-100 to 100, as
     OpenAI) to a token's logit; `allowed_token_ids` leaves only those tokens possible; `bad_words` are never
     produced (the last token of a word's tokens is banned whenever the tokens before it were just produced).
+    `thinking` (set by a reasoning parser) is the thinking that opens the output: `structured_outputs`
+    constrains only the answer after it.
     """
 
     n: int = 1
@@ -57,6 +60,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = msgspec.field(default_factory=list)
+    thinking: ThinkingSpan | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

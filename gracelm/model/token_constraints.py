@@ -6,6 +6,10 @@ whenever the two disagree (a preempted request recomputed, a step whose token wa
 never needs to be told about the scheduler's decisions. A matcher is a copy of a template compiled once
 per distinct constraint (`GrammarCompiler`, bounded LRU). `bad_words` are tokenized once per request.
 
+A reasoning model's grammar waits for the end of its thinking (`SamplingParams.thinking`): while the output
+thinks, its row is not masked by the grammar, and the matcher reads the answer's tokens only. Where thinking
+is optional (Qwen3 writes `<think>` itself), the first token may be the opener or what the grammar allows.
+
 Per step, only the rows that have a constraint cost anything: their grammar masks are filled in parallel
 (llguidance's executor, outside the GIL) as packed bits, `allowed_token_ids` is ANDed in as packed bits
 too, and the result is unpacked once (numpy's table-driven `unpackbits`, far faster than shifting bits with
@@ -92,17 +96,42 @@ class RequestConstraints:
     bad_words: list[list[int]]
     consumed: int = 0
     allowed_words: np.ndarray | None = field(default=None, repr=False)  # allowed_token_ids as packed bits
+    grammar_active: bool = True  # false while the output thinks: the grammar masks nothing yet
+    opener: int | None = None  # a token allowed beside the grammar's: the optional thinking's opener
 
     def follow(self, compiler: GrammarCompiler, output_token_ids: list[int]) -> None:
-        """Brings the matcher to the end of `output_token_ids` (rebuilding it if it was elsewhere)."""
-        if self.matcher is None or self.consumed == len(output_token_ids):
+        """Brings the matcher to the end of the answer in `output_token_ids` (rebuilding it if it was
+        elsewhere)."""
+        if self.matcher is None:
             return
-        assert self.params.structured_outputs is not None
-        self.matcher = compiler.matcher(self.params.structured_outputs)
-        self.consumed = 0
-        self.advance(output_token_ids)
+        answer = self._answer(output_token_ids)
+        self.grammar_active = answer is not None
+        if answer is None or self.consumed == len(answer):
+            return
+        if self.consumed > len(answer):
+            assert self.params.structured_outputs is not None
+            self.matcher = compiler.matcher(self.params.structured_outputs)
+            self.consumed = 0
+        self._consume(answer[self.consumed:])
+
+    def _answer(self, output_token_ids: list[int]) -> list[int] | None:
+        """The tokens the grammar reads: the output after its thinking; None while it thinks."""
+        span = self.params.thinking
+        if span is None:
+            return output_token_ids
+        self.opener = span.opener if span.may_open(output_token_ids) else None
+        start = span.answer_start(output_token_ids)
+        if start is None:
+            return [] if self.opener is not None else None
+        return output_token_ids[start:]
 
     def advance(self, token_ids: list[int]) -> None:
+        """The tokens just sampled. After a thinking, `follow` reads them at the next step instead: only
+        the whole output tells whether a token ended the thinking."""
+        if self.params.thinking is None:
+            self._consume(token_ids)
+
+    def _consume(self, token_ids: list[int]) -> None:
         if self.matcher is None:
             return
         for token_id in token_ids:
@@ -110,6 +139,11 @@ class RequestConstraints:
                 raise ValueError(f"its grammar refused token {token_id}: "
                                  f"{_first_line(self.matcher.get_error())}")
             self.consumed += 1
+
+    @property
+    def grammar(self) -> LLMatcher | None:
+        """The matcher that masks this step's row: none while the output thinks."""
+        return self.matcher if self.grammar_active else None
 
     def banned(self, output_token_ids: list[int]) -> list[int]:
         """The last token of each bad word whose other tokens end the output."""
@@ -139,7 +173,7 @@ class ConstraintStates:
         if not rows:
             return None
         states = {i: self._state(request_ids[i], params[i], output_token_ids[i]) for i in rows}
-        masked = [i for i in rows if states[i].matcher is not None or states[i].allowed_words is not None]
+        masked = [i for i in rows if states[i].grammar is not None or states[i].allowed_words is not None]
         disallowed = self._disallowed(masked, states, request_ids) if masked else None
         keys: list[int] = []
         values: list[float] = []
@@ -211,12 +245,15 @@ class ConstraintStates:
                     request_ids: list[str]) -> torch.Tensor:
         """[len(rows), V] bool: what each masked row may not sample."""
         bitmask = allocate_token_bitmask(len(rows), self._vocab_size)  # all allowed
-        grammar_rows = [(states[i].matcher, j) for j, i in enumerate(rows) if states[i].matcher is not None]
+        grammar_rows = [(states[i].grammar, j) for j, i in enumerate(rows) if states[i].grammar is not None]
         if grammar_rows:
             if self._executor is None:
                 self._executor = LLExecutor()
             fill_next_token_bitmask_par(self._executor, grammar_rows, bitmask)
         for j, i in enumerate(rows):
+            opener = states[i].opener
+            if opener is not None:
+                bitmask.view(np.uint32)[j, opener // 32] |= np.uint32(1 << (opener % 32))
             if states[i].allowed_words is not None:
                 bitmask[j] &= states[i].allowed_words
         empty = np.flatnonzero(~bitmask.any(axis=1))
