@@ -66,7 +66,7 @@ async def walk(model: str, stream: bool) -> CallRecorder:
     ledger = Ledger()
     engine = AsyncEngine.from_config(config, ledger=ledger)
     state = ServerState(max_in_flight(settings.max_num_queued_reqs, engine), settings.max_queue_wait)
-    served = serving_options(settings, engine.model_name, resolve_model_path(model))
+    served = serving_options(settings, engine.model_name, resolve_model_path(model), engine.tokenizer)
     recorder = CallRecorder()
     with tempfile.TemporaryDirectory() as directory:
         metrics = ServerMetrics(Path(directory) / "prometheus", served.model_name,

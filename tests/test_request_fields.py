@@ -77,9 +77,9 @@ HONOURED = {
     "parallel_tool_calls": "test_no_op_values_are_accepted",
     "no_stop_trim": "test_include_stop_str_in_output_and_stop_reason",
     "rid": "test_the_routers_bodies_are_served_as_they_come",
-    "separate_reasoning": "test_the_routers_bodies_are_served_as_they_come",
-    "stream_reasoning": "test_the_routers_bodies_are_served_as_they_come",
-    "include_reasoning": "test_the_routers_bodies_are_served_as_they_come",
+    "separate_reasoning": "tests.test_reasoning::test_the_request_switches",
+    "stream_reasoning": "tests.test_reasoning::test_the_request_switches",
+    "include_reasoning": "tests.test_reasoning::test_the_request_switches",
 }
 # Fields whose implementation belongs to the structured-outputs and tool-calling work: refused (in
 # UNSUPPORTED) until then, and shown honoured by those tests after.
@@ -266,7 +266,8 @@ def test_include_stop_str_in_output_and_stop_reason(client):
 
 def test_the_routers_bodies_are_served_as_they_come(client, server):
     """What vllm-router and sglang-router add is accepted and changes nothing; SGLang's `rid` names the
-    request; the one data-parallel rank may be asked for; the reasoning switches have nothing to switch."""
+    request; the one data-parallel rank may be asked for; without a reasoning parser, the reasoning switches
+    have nothing to switch (with one: `tests/test_reasoning.py`)."""
     plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
     for reasoning in (True, False):
         routed = client.chat.completions.create(

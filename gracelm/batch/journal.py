@@ -537,10 +537,12 @@ def _answered(db: sqlite3.Connection, batch_id: str) -> tuple[str | None, BatchU
     """The model a batch's 200 answers name and their tokens, summed from its stored results. Asked only of
     a batch at its end, as OpenAI gives usage: the sum reads every result, which the polls of a batch in
     progress would redo again and again."""
-    model, prompt, completion = db.execute(
+    model, prompt, completion, reasoning = db.execute(
         "SELECT MIN(json_extract(output, '$.response.body.model')), "
         "COALESCE(SUM(json_extract(output, '$.response.body.usage.prompt_tokens')), 0), "
-        "COALESCE(SUM(json_extract(output, '$.response.body.usage.completion_tokens')), 0) "
+        "COALESCE(SUM(json_extract(output, '$.response.body.usage.completion_tokens')), 0), "
+        "COALESCE(SUM(json_extract(output, "
+        "'$.response.body.usage.completion_tokens_details.reasoning_tokens')), 0) "
         "FROM results WHERE batch_id = ? AND json_extract(output, '$.response.status_code') = 200",
         (batch_id,)).fetchone()
-    return model, BatchUsage(prompt, completion)
+    return model, BatchUsage(prompt, completion, reasoning)

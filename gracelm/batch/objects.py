@@ -81,12 +81,13 @@ class BatchUsage:
 
     input_tokens: int
     output_tokens: int
+    reasoning_tokens: int = 0  # of the output tokens, those a reasoning parser read as thinking
 
     def to_openai(self) -> dict[str, Any]:
-        # Both details are 0: the prefix cache's hits are not counted per request, and no reasoning parser
-        # sets a model's thinking apart from its answer.
+        # cached_tokens is 0: the prefix cache's hits are not counted per request.
         return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": self.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": self.input_tokens + self.output_tokens}
 
 

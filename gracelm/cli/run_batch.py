@@ -117,7 +117,8 @@ async def _run(engine: AsyncEngine, journal: Journal, batch_id: str) -> int:
     state = ServerState()
     state.set(Lifecycle.RUNNING)
     settings = ServerConfig()
-    served = serving_options(settings, engine.model_name, resolve_model_path(engine.config.model))
+    served = serving_options(settings, engine.model_name, resolve_model_path(engine.config.model),
+                             engine.tokenizer)
     metrics = ServerMetrics(engine.runtime_dir / "prometheus", served.model_name,
                             tuple(s.value for s in Lifecycle), tuple(s.value for s in CoreState))
     engine.ledger.acquire(ResourceKind.DIRECTORY, f"prometheus dir {metrics.directory}", metrics.close)

@@ -112,7 +112,6 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             _record_resource_tracker(ledger)
             journal = _open_journal(settings.state_dir, ledger)  # before the model: a held DIR fails fast
             engine = AsyncEngine.from_config(config, ledger=ledger, on_fatal=supervisor.on_engine_fatal)
-            served = serving_options(settings, engine.model_name, resolve_model_path(config.model))
             if settings.chat_template is not None:  # the frontend's tokenizer renders the messages
                 engine.tokenizer.chat_template = read_chat_template(settings.chat_template)
             startup_timeline.mark("frontend")
@@ -134,6 +133,12 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
         logger.error("start-up failed: %s", exc)
         return _stopped(ledger.release_all(), ExitCode.STARTUP_FAILURE, config, _held(settings, journal),
                         state)
+    try:
+        served = serving_options(settings, engine.model_name, resolve_model_path(config.model),
+                                 engine.tokenizer)
+    except ValueError as exc:  # what the model's files say does not fit an option (--reasoning-parser)
+        logger.error("start-up failed: %s", exc)
+        return _stopped(engine.shutdown(), ExitCode.STARTUP_FAILURE, config, _held(settings, journal), state)
     supervisor.engine = engine
     state.max_in_flight = max_in_flight(settings.max_num_queued_reqs, engine)
     logger.info("admission control: --max-num-queued-reqs %s, --max-queue-wait %s",

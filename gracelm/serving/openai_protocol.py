@@ -272,10 +272,19 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+# A field a reasoning parser sets, left out of answers that have none (as without a parser).
+_UNLESS_NONE = Field(default=None, exclude_if=lambda value: value is None)
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = _UNLESS_NONE
 
 
 class TopLogprob(BaseModel):
@@ -327,6 +336,9 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # The thinking, under the name clients read and under vLLM's newer name (`reasoning_parsers.py`).
+    reasoning_content: str | None = _UNLESS_NONE
+    reasoning: str | None = _UNLESS_NONE
 
 
 class ChatChoice(BaseModel):
@@ -376,6 +388,8 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = _UNLESS_NONE
+    reasoning: str | None = _UNLESS_NONE
 
 
 class ChatChunkChoice(BaseModel):

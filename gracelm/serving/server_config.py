@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from gracelm import options
 from gracelm.lifecycle.last_shutdown import writable_dir_problem
 from gracelm.options import at_least, in_range, option, positive_duration
-from gracelm.serving import tool_parsers
+from gracelm.serving import reasoning_parsers, tool_parsers
 from gracelm.serving.chat_template_option import chat_template_problem
 from gracelm.serving.generation_defaults import generation_config_problem
 
@@ -27,6 +27,11 @@ def _paths(values: list[str]) -> list[str]:
 def _paths_problem(values: list[str]) -> str | None:
     wrong = [path for path in _paths(values) if not path.startswith("/")]
     return f"takes paths such as /ready, got {wrong[0]!r}" if wrong else None
+
+
+def _reasoning_parser_problem(value: str | None) -> str | None:
+    names = reasoning_parsers.NAMES
+    return None if value is None or value in names else f"must be one of {', '.join(names)}, got {value!r}"
 
 
 @dataclass
@@ -55,6 +60,10 @@ class ServerConfig:
     tool_call_parser: str = option("auto", "how tool calls are read from the model's output: auto (from the "
                                            "chat template), or a family's parser by vLLM's name",
                                    choices=tool_parsers.NAMES)
+    reasoning_parser: str | None = option(None, "set a reasoning model's thinking apart from its answer "
+                                                "(reasoning_content): qwen3, deepseek_r1, or auto (from the "
+                                                "chat template); default: none, the thinking is content",
+                                          check=_reasoning_parser_problem)
     max_num_queued_reqs: int | None = option(None, "answer 429 to a request that would put more than this "
                                                    "many sequences in flight, running or waiting (0: no "
                                                    "limit; default: twice the full-context requests the KV "

@@ -22,7 +22,7 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 
 import msgspec
 from fastapi.responses import StreamingResponse
@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.errors import EngineDeadError
-from gracelm.engine.frontend import PromptError, check_priority, context_overflow_message
+from gracelm.engine.frontend import PromptError, TaskError, check_priority, context_overflow_message
 from gracelm.engine.output_processor import CompletionOutput, Logprob, RequestOutput
 from gracelm.lifecycle.server_state import ServerState
 from gracelm.model.tokenizer import Tokenizer
@@ -39,7 +39,14 @@ from gracelm.sampling_params import SamplingParams
 from gracelm.serving import admission_control, prompt_batch
 from gracelm.serving.api_errors import APIError, from_value_error
 from gracelm.serving.grammar_checker import GrammarChecker
-from gracelm.serving.openai_protocol import PromptLogprob, PromptLogprobs, SamplingFields, Usage
+from gracelm.serving.openai_protocol import (
+    CompletionTokensDetails,
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingFields,
+    Usage,
+)
+from gracelm.serving.reasoning_parsers import ReasoningPlan
 from gracelm.serving.request_client import HeldAdmission, RequestClient
 from gracelm.serving.request_fields import RequestLimits, constraint_fields
 from gracelm.serving.serving_options import ServingOptions
@@ -129,14 +136,17 @@ class ServingBase:
                            param="max_tokens", code="context_length_exceeded")
 
     async def start(self, client: RequestClient, prompts: list[list[int]], params: SamplingParams,
-                    request_id: str, prompt_param: str, *, api: str | None, priority: int = 0) -> Run:
+                    request_id: str, prompt_param: str, *, api: str | None, priority: int = 0,
+                    embedding: bool = False) -> Run:
         """Admits the request (as `client` is admitted; a 429 beyond admission control's bounds,
         `admission_control.py`) and starts each of its prompts in the engine (several only for a batch of
         completions prompts: one engine request each, `prompt_batch.py`), which checks them (a 400 naming
         `prompt_param`), at `priority` (lower runs first; a 400 naming `priority` outside its range). Its
         deltas come with metrics; closing them aborts the request. The admission is released when the answer
         ends (`sse`, `final_output`); it is marked started at the first output. `api`: the API it came
-        through, for /metrics (`metrics.APIS`); None for the server's own probe (/health_generate)."""
+        through, for /metrics (`metrics.APIS`); None for the server's own probe (/health_generate).
+        `embedding`: each prompt's pooled vector is asked for, not text; the engine refuses the task it does
+        not serve (a 400 naming `model`)."""
         try:
             check_priority(priority)
         except ValueError as exc:
@@ -152,7 +162,8 @@ class ServingBase:
         streams = []
         try:
             for engine_id, ids in zip(engine_ids, prompts, strict=True):
-                deltas = self.engine.generate(ids, params, engine_id, delta=True, priority=priority)
+                deltas = (self.engine.embed(ids, engine_id, priority=priority) if embedding
+                          else self.engine.generate(ids, params, engine_id, delta=True, priority=priority))
                 streams.append(self._tracked(deltas, len(ids), params, admission))
         except BaseException as exc:
             admission.release()
@@ -162,6 +173,8 @@ class ServingBase:
                 raise prompt_error(exc, prompt_param, len(streams), len(prompts)) from None
             if isinstance(exc, EngineDeadError):
                 raise engine_dead_error(exc) from None
+            if isinstance(exc, TaskError):
+                raise task_error(exc, self.model_name) from None
             if isinstance(exc, ValueError):  # the id is in use by a request in flight
                 raise APIError(400, f"{exc}; send another X-Request-Id or request_id", param="request_id",
                                code="invalid_value") from None
@@ -260,14 +273,18 @@ class StreamTally:
     """What a stream's loop counts as it goes: completion tokens (for the usage chunk) and whether the
     server aborted the request or a fault ended it (for the error event it then ends with)."""
 
-    def __init__(self, num_prompt_tokens: int) -> None:
+    def __init__(self, num_prompt_tokens: int, reasoning: ReasoningPlan | None = None) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.completion_tokens = 0
         self.aborted = False
         self.failed = False
+        self._reasoning = reasoning  # set: the usage counts the reasoning tokens
+        self._token_ids: dict[int, list[int]] = {}  # each choice's tokens, to count them
 
     def add(self, output: CompletionOutput) -> None:
         self.completion_tokens += len(output.token_ids)
+        if self._reasoning is not None:
+            self._token_ids.setdefault(output.index, []).extend(output.token_ids)
         self.aborted = self.aborted or output.finish_reason == "abort"
         self.failed = self.failed or output.finish_reason == "error"
 
@@ -286,7 +303,8 @@ class StreamTally:
         return None if error is None else OPENAI_SSE.error_event(error)
 
     def usage(self) -> Usage:
-        return usage_of(self.num_prompt_tokens, self.completion_tokens)
+        return usage_of(self.num_prompt_tokens, self.completion_tokens,
+                        _reasoning_tokens(self._reasoning, self._token_ids.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,14 +393,22 @@ def sse_event(kind: str, payload: BaseModel | dict) -> str:
     return f"event: {kind}\n{sse_data(payload)}"
 
 
-def usage_of(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+def usage_of(num_prompt_tokens: int, num_completion_tokens: int,
+             reasoning_tokens: int | None = None) -> Usage:
+    details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                 total_tokens=num_prompt_tokens + num_completion_tokens)
+                 total_tokens=num_prompt_tokens + num_completion_tokens, completion_tokens_details=details)
 
 
-def final_usage(num_prompt_tokens: int, final: RequestOutput) -> Usage:
-    """The usage of a whole answer: every choice's tokens."""
-    return usage_of(num_prompt_tokens, sum(len(o.token_ids) for o in final.outputs))
+def final_usage(num_prompt_tokens: int, final: RequestOutput,
+                reasoning: ReasoningPlan | None = None) -> Usage:
+    """The usage of a whole answer: every choice's tokens (and with `reasoning`, those that are thinking)."""
+    return usage_of(num_prompt_tokens, sum(len(o.token_ids) for o in final.outputs),
+                    _reasoning_tokens(reasoning, (o.token_ids for o in final.outputs)))
+
+
+def _reasoning_tokens(reasoning: ReasoningPlan | None, choices: Iterable[list[int]]) -> int | None:
+    return None if reasoning is None else sum(reasoning.reasoning_tokens(ids) for ids in choices)
 
 
 def aborted_error() -> APIError:
@@ -409,6 +435,11 @@ def prompt_error(exc: PromptError, prompt_param: str, index: int, num_prompts: i
     code = "context_length_exceeded" if exc.too_long else "invalid_prompt"
     param = prompt_param if num_prompts == 1 else f"{prompt_param}.{index}"
     return APIError(400, str(exc), param=param, code=code)
+
+
+def task_error(exc: TaskError, model_name: str) -> APIError:
+    """The 400 of a request of the task the model is not served for (`frontend.check_task`)."""
+    return APIError(400, f"the model `{model_name}`: {exc}", param="model", code="unsupported_task")
 
 
 def engine_dead_error(exc: EngineDeadError) -> APIError:

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
+import msgspec
 from fastapi.responses import StreamingResponse
 
 from gracelm.engine.output_processor import CompletionOutput, RequestOutput
@@ -26,6 +27,7 @@ from gracelm.serving.openai_protocol import (
     TopLogprob,
     Usage,
 )
+from gracelm.serving.reasoning_parsers import NO_REASONING, ReasoningPlan
 from gracelm.serving.request_client import RequestClient
 from gracelm.serving.request_fields import refuse_unsupported
 from gracelm.serving.serving_base import (
@@ -42,13 +44,19 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class ChatPlan:
-    """A chat request as it would run: its prompt after the chat template, its sampling, its tools, and the
-    top-N logprobs its answer shows (None: no logprobs)."""
+    """A chat request as it would run: its prompt after the chat template, its sampling, its tools, the
+    top-N logprobs its answer shows (None: no logprobs), and how its thinking is read (None: the server
+    has no reasoning parser)."""
 
     prompt_ids: list[int]
     params: SamplingParams
     tools: ToolPlan
     top: int | None
+    reasoning: ReasoningPlan | None = None
+
+    @property
+    def text_reading(self) -> ReasoningPlan:
+        return self.reasoning or NO_REASONING
 
 
 class ServingChat(ServingBase):
@@ -56,7 +64,7 @@ class ServingChat(ServingBase):
                      client: RequestClient) -> ChatCompletionResponse | StreamingResponse:
         """The answer to `req` from `client`: whole, or with `stream` an SSE response; raises `APIError`."""
         plan = await self.plan(req)
-        prompt_ids, params, tools, top = plan.prompt_ids, plan.params, plan.tools, plan.top
+        prompt_ids, params, top = plan.prompt_ids, plan.params, plan.top
         request_id = client.request_id(req.named_id, "chatcmpl")
         run = await self.start(client, [prompt_ids], params, request_id, "messages",
                                api="chat_completions", priority=client.priority(req.priority))
@@ -65,17 +73,17 @@ class ServingChat(ServingBase):
         tier = "default" if req.service_tier is not None else None
         if req.stream:
             events = self._stream(request_id, run.deltas, len(prompt_ids), params.n, top, req, echo, tier,
-                                  tools)
+                                  plan)
             return self.sse(events, run)
         final = await self.final_output(client, run)
         choices = []
         for o in final.outputs:
-            message, finish_reason = final_message(o.text, o.finish_reason, tools)
+            message, finish_reason = final_message(o.text, o.finish_reason, plan.tools, plan.text_reading)
             if echo:
                 message.content = echo + (message.content or "")
             choices.append(ChatChoice(index=o.index, message=message, logprobs=self._logprobs(o, top, req),
                                       finish_reason=finish_reason, stop_reason=o.stop_reason))
-        usage = final_usage(len(prompt_ids), final)
+        usage = final_usage(len(prompt_ids), final, plan.reasoning)
         scored = self.vllm_prompt_logprobs(prompt_ids, final.outputs[0].prompt_logprobs, req.prompt_logprobs)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage,
                                       service_tier=tier, prompt_logprobs=scored)
@@ -102,18 +110,35 @@ class ServingChat(ServingBase):
                                                   self.engine.config.max_model_len, tools.tools,
                                                   self.served.template_budget)
         self.check_room(prompt_ids, max_tokens)
-        return ChatPlan(prompt_ids, params, tools, top)
+        reasoning = self._reasoning(req, prompt_ids)
+        if reasoning is not None and reasoning.span is not None and params.structured_outputs is not None:
+            params = msgspec.structs.replace(params, thinking=reasoning.span)
+        return ChatPlan(prompt_ids, params, tools, top, reasoning)
+
+    def _reasoning(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> ReasoningPlan | None:
+        """How the output of `prompt_ids` is read, with the request's switches: SGLang's
+        `separate_reasoning` (false: the thinking stays in the content) and vLLM's `include_reasoning`
+        (false: the thinking is left out)."""
+        parser = self.served.reasoning
+        if parser is None:
+            return None
+        if req.stream and not req.stream_reasoning:
+            raise APIError(400, "stream_reasoning: false is not supported: the reasoning is streamed as it "
+                                "comes (send include_reasoning: false to leave it out)",
+                           param="stream_reasoning", code="unsupported_parameter")
+        return dataclasses.replace(parser.plan(prompt_ids, self.engine.tokenizer),
+                                   separated=req.separate_reasoning, shown=req.include_reasoning)
 
     async def _stream(self, request_id: str, deltas: AsyncIterator[RequestOutput], num_prompt_tokens: int,
                       n: int, top: int | None, req: ChatCompletionRequest, echo: str,
-                      tier: str | None, tools: ToolPlan) -> AsyncGenerator[str]:
+                      tier: str | None, plan: ChatPlan) -> AsyncGenerator[str]:
         """The SSE chunks of one request: a role chunk per choice (with the echoed text, if asked), a chunk
         per delta of each choice, then the usage chunk if asked and an error event if it was aborted or
         failed (`sse` adds `[DONE]`). A tool call takes chunks of its own: its id and name, then its
         arguments."""
         created = int(time.time())
-        streamed = [StreamedChoice(tools) for _ in range(n)]
-        tally = StreamTally(num_prompt_tokens)
+        streamed = [StreamedChoice(plan.tools, plan.text_reading) for _ in range(n)]
+        tally = StreamTally(num_prompt_tokens, plan.reasoning)
         usage_in_chunks = req.include_usage or req.continuous_usage
 
         def chunk(choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:

@@ -49,6 +49,7 @@ from gracelm.serving.openai_protocol import (
     FunctionCall,
     ToolCall,
 )
+from gracelm.serving.reasoning_parsers import NO_REASONING, ReasoningPlan
 from gracelm.serving.tool_parsers import (
     ArgumentsPart,
     Call,
@@ -329,9 +330,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def final_message(text: str, finish_reason: str | None,
-                  plan: ToolPlan) -> tuple[AssistantMessage, str | None]:
-    """The message of a whole choice, and its finish reason."""
+def final_message(text: str, finish_reason: str | None, plan: ToolPlan,
+                  reasoning: ReasoningPlan = NO_REASONING) -> tuple[AssistantMessage, str | None]:
+    """The message of a whole choice, and its finish reason: its thinking apart (`reasoning`), and its
+    calls read out of the answer after it."""
+    thought, text = reasoning.split(text)
+    message, finish_reason = _answer_message(text, finish_reason, plan)
+    if reasoning.shown:
+        message.reasoning_content = message.reasoning = thought
+    return message, finish_reason
+
+
+def _answer_message(text: str, finish_reason: str | None,
+                    plan: ToolPlan) -> tuple[AssistantMessage, str | None]:
     reader = plan.reader()
     if reader is None:
         return AssistantMessage(content=text), finish_reason
@@ -346,16 +357,28 @@ def final_message(text: str, finish_reason: str | None,
 
 
 class StreamedChoice:
-    """One choice of a stream: each new piece of its text becomes the deltas to send, in order."""
+    """One choice of a stream: each new piece of its text becomes the deltas to send, in order: its
+    thinking (`reasoning`), then the content and calls of its answer."""
 
-    def __init__(self, plan: ToolPlan) -> None:
+    def __init__(self, plan: ToolPlan, reasoning: ReasoningPlan = NO_REASONING) -> None:
         self._reader = plan.reader()
+        self._thinking = reasoning.reader()
+        self._shows_thinking = reasoning.shown
 
     def deltas(self, text: str, finished: bool) -> list[DeltaMessage]:
         """The deltas of `text`, the choice's next piece (`finished`: its last); at least one, empty if
         nothing is to be sent yet, so that logprobs and the finish reason have a chunk to go in."""
+        thought, text = self._thinking.feed(text)
+        if finished:
+            more_thought, more_text = self._thinking.finish()
+            thought, text = thought + more_thought, text + more_text
+        shown = thought if self._shows_thinking else ""
+        out = [DeltaMessage(reasoning_content=shown, reasoning=shown)] if shown else []
+        return [*out, *self._answer_deltas(text, finished)] or [DeltaMessage()]
+
+    def _answer_deltas(self, text: str, finished: bool) -> list[DeltaMessage]:
         if self._reader is None:
-            return [DeltaMessage(content=text) if text else DeltaMessage()]
+            return [DeltaMessage(content=text)] if text else []
         events = self._reader.feed(text)
         if finished:
             events += self._reader.finish()
@@ -372,7 +395,7 @@ class StreamedChoice:
                     out.append(_call_delta(calls - 1, None, None, event.arguments))
             else:
                 out.append(_call_delta(calls - 1, None, None, event.text))
-        return out or [DeltaMessage()]
+        return out
 
     def finish_reason(self, reason: str | None) -> str | None:
         return _finish_reason(reason, bool(self._reader and self._reader.ids))
