@@ -41,7 +41,7 @@ BATCH_LINE_STATES = ("queued", "running", "completed", "failed")
 # --max-num-queued-reqs, or it waited --max-queue-wait without an output.
 REJECTION_REASONS = ("queue_full", "queue_wait")
 # The APIs a request can come through (`ServingBase.start`); a batch line counts as its endpoint's.
-APIS = ("chat_completions", "completions", "responses", "messages")
+APIS = ("chat_completions", "completions", "responses", "messages", "embeddings")
 
 
 @dataclasses.dataclass(frozen=True)

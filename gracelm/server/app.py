@@ -30,6 +30,7 @@ from gracelm.observability.metrics import ServerMetrics
 from gracelm.observability.stats_logger import log_stats_forever
 from gracelm.server.batch_lines import BatchLines
 from gracelm.server.batch_routes import batch_router
+from gracelm.server.embeddings_routes import embeddings_router
 from gracelm.server.guards import BodySizeLimit, BrowserGuard, api_key_dependency, default_allowed_hosts
 from gracelm.server.messages_routes import messages_router
 from gracelm.server.openai_routes import openai_router, tokens_router
@@ -45,6 +46,7 @@ from gracelm.serving.request_fields import RequestLimits
 from gracelm.serving.server_config import ServerConfig
 from gracelm.serving.serving_chat import ServingChat
 from gracelm.serving.serving_completion import ServingCompletion
+from gracelm.serving.serving_embedding import ServingEmbedding
 from gracelm.serving.serving_options import ServingOptions
 from gracelm.serving.serving_warmup import warmed_up
 
@@ -59,6 +61,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     grammars = GrammarChecker.for_engine(engine, ledger)
     chat = ServingChat(engine, state, metrics, served, limits, grammars)
     completion = ServingCompletion(engine, state, metrics, served, limits, grammars)
+    embedding = ServingEmbedding(engine, state, metrics, served, limits, grammars)
     runner = None if journal is None else BatchRunner(journal, BatchLines(chat, completion), state,
                                                       engine.config.max_num_seqs)
     background = [("batch-runner", runner.run)] if runner is not None else []
@@ -80,6 +83,7 @@ def build_app(engine: AsyncEngine, settings: ServerConfig, state: ServerState, m
     app.include_router(v1)
     app.include_router(tokens_router(engine, served, chat, auth))
     app.include_router(messages_router(chat, auth))
+    app.include_router(embeddings_router(embedding, auth))
     for router in worker_routers(engine, state, served, chat, completion, auth):
         app.include_router(router)
     app.include_router(status_router(engine, settings, state, metrics, served.model_name, progress))

@@ -10,8 +10,9 @@ were written for, so that several gracelm servers can stand behind sglang-router
   before each request.
 - SGLang's `POST /flush_cache`, which sglang-router and vllm-router send to every worker: it empties the
   prefix cache, refused (409) while requests are unfinished in the engine.
-- SGLang's `/health_generate`: a one-token generation through the engine, admitted as any request is (the
-  drain waits for it, a stopping server refuses it): 200 when a token came, 503 otherwise.
+- SGLang's `/health_generate`: a one-token generation through the engine (an embedding model's server:
+  the embedding of one token), admitted as any request is (the drain waits for it, a stopping server refuses
+  it): 200 when a token (a vector) came, 503 otherwise.
 
 vllm-router 0.1.17 reads `/get_load` in SGLang's former shape (`{"load": N}`), which sglang-router 0.3.2, like
 SGLang's servers today, no longer answers; one route cannot answer both, and this one answers SGLang's
@@ -179,13 +180,15 @@ async def _generates_a_token(completion: ServingCompletion, client: RequestClien
     `HEALTH_GENERATE_TIMEOUT_S`. Its prompt is token 0, as SGLang's: any id of the vocabulary will do."""
     params = SamplingParams(max_tokens=1, temperature=0.0)
     request_id = client.request_id(None, "health")
+    embedding = completion.engine.pooling is not None
     try:
         async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
-            run = await completion.start(client, [[0]], params, request_id, "prompt", api=None)
+            run = await completion.start(client, [[0]], params, request_id, "prompt", api=None,
+                                         embedding=embedding)
             final = await completion.final_output(client, run)
     except (APIError, AdmissionRefused, TimeoutError):
         return False
-    return any(output.token_ids for output in final.outputs)
+    return any(output.token_ids or output.embedding for output in final.outputs)
 
 
 def _server_info(engine: AsyncEngine, served: ServingOptions, num_blocks: int) -> ServerInfo:
@@ -195,7 +198,7 @@ def _server_info(engine: AsyncEngine, served: ServingOptions, num_blocks: int) -
     num_tokens = num_blocks * config.block_size
     return ServerInfo(
         model_path=model_path, tokenizer_path=model_path, served_model_name=served.model_name,
-        is_generation=True, architectures=[engine.model_config.architecture],
+        is_generation=engine.pooling is None, architectures=[engine.model_config.architecture],
         tp_size=config.tensor_parallel_size, dp_size=1, nnodes=config.nnodes, page_size=config.block_size,
         kv_block_size=config.block_size, context_length=config.max_model_len, max_total_num_tokens=num_tokens,
         max_total_tokens=num_tokens, max_running_requests=config.max_num_seqs,
