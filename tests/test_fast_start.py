@@ -1,10 +1,12 @@
 """Fast start (docs/architecture.md, "Start-up"): the converted tokenizer and weights are kept in the cache
 directory and a hit gives exactly what a cold start gives, without transformers; a damaged entry is rebuilt,
-never fatal; the weights cache stays bounded; the KV cache costs no memset; the supervisor logs one start-up
-timeline and exposes it in /metrics; the progress line shows on a terminal only."""
+never fatal; the weights cache stays bounded; a hash begun in a thread is the file's; the KV cache costs no
+memset; the supervisor logs one start-up timeline and exposes it in /metrics; the progress line shows on a
+terminal only."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
@@ -20,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 
 import gracelm.startup_timeline as startup_timeline
 from gracelm.config import ModelConfig
-from gracelm.model import weight_cache
+from gracelm.model import file_hash, weight_cache
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.file_hash import content_hash
 from gracelm.model.load_progress import load_progress
@@ -79,6 +81,22 @@ def test_a_load_counts_converting_as_repack_and_a_cache_hit_as_read(tmp_path: Pa
     assert marks[0] == ["read", "verify", "tokenizer", "repack", "model"], marks
     assert marks[1] == ["read", "verify", "tokenizer", "read", "model"], marks
     assert [part.split()[0] for part in timeline.load_split().split(", ")] == list(startup_timeline.LOAD_WORK)
+
+
+def test_a_prefetched_hash_is_the_files_and_a_failed_one_fails_as_a_hash_does(tmp_path: Path) -> None:
+    """`file_hash.prefetch` (the engine core's, beside its imports): the next `content_hash` takes its result,
+    a file changed since is hashed again, and a file that cannot be read raises as without a prefetch."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(3 << 20))
+    file_hash.prefetch(path)
+    assert content_hash(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    path.write_bytes(b"other weights")
+    file_hash.prefetch(path)
+    assert content_hash(path) == hashlib.sha256(b"other weights").hexdigest()
+    missing = tmp_path / "missing.gguf"
+    file_hash.prefetch(missing)
+    with pytest.raises(FileNotFoundError):
+        content_hash(missing)
 
 
 def test_a_cache_hit_imports_no_transformers(gguf_file: Path) -> None:

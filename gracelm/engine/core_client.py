@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 PROCESS_TITLE = "gracelm::engine-core"
 # Named, not imported: the frontend never loads what the core runs (torch).
-CORE_ENTRY = "gracelm.engine.core:run_engine_core"
+CORE_ENTRY = "gracelm.engine.core_entry:run_engine_core"
 # Beyond the drain itself, how long the core may take to stop its executor and exit before it is forced.
 _EXIT_GRACE_S = 5.0
 # ChildProcess.stop's own escalation (SIGTERM, then SIGKILL and its wait) on top of the join.

@@ -2,24 +2,60 @@
 path, size and modification time (a file changed in place gets a new hash; an unchanged one costs a
 `stat`). It names the weights themselves, whatever the model is called: what the KV-cache snapshot and
 the converted-weights cache are keyed by.
+
+`prefetch` starts a hash in a thread, which the next `content_hash` of the same path waits for: hashlib
+reads and digests without holding the GIL, so the engine core hashes a new file beside its own imports
+(`engine/core_entry.py`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 from gracelm.cache_dir import cache_dir, write_atomic
 
+logger = logging.getLogger(__name__)
+
 _INDEX = "file-hashes.json"
 _lock = threading.Lock()  # one process's threads update the index one at a time
+_prefetched: dict[Path, Future[str]] = {}
+
+
+def prefetch(path: str | Path) -> None:
+    """Starts `content_hash(path)` in a daemon thread; the next `content_hash(path)` takes its result."""
+    path = Path(path).resolve()
+    future: Future[str] = Future()
+    with _lock:
+        _prefetched[path] = future
+
+    def run() -> None:
+        try:
+            future.set_result(_content_hash(path))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, who hashes again
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="content-hash", daemon=True).start()
 
 
 def content_hash(path: str | Path) -> str:
     """sha256 (hex) of a file's bytes; of a directory, of its weight and config files' names and hashes."""
     path = Path(path).resolve()
+    with _lock:
+        future = _prefetched.pop(path, None)
+    if future is not None:
+        try:
+            return future.result()
+        except Exception as e:  # noqa: BLE001 - hashed again below, where the failure is the caller's
+            logger.debug("the prefetched hash of %s failed (%s); hashing again", path, e)
+    return _content_hash(path)
+
+
+def _content_hash(path: Path) -> str:
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".gguf", ".jinja"))
         listing = "\n".join(f"{p.name} {file_hash(p)}" for p in files)
