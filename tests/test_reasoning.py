@@ -274,3 +274,47 @@ def test_deepseek_r1_structured_outputs_and_named_tools_apply_after_the_thinking
     joined, _, _ = _streamed(deepseek, tools=[WEATHER], tool_choice=named)
     assert joined["reasoning"] == THOUGHT
     assert joined["tool_calls"] == {0: {"name": "get_weather", "arguments": CALL_ARGUMENTS}}
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": tool["function"]["name"],
+                    "parameters": tool["function"]["parameters"]} for tool in (WEATHER, TIME)]
+
+
+def test_responses_give_the_thinking_as_a_reasoning_item_and_take_it_back(qwen3) -> None:
+    fields = {"model": "m", "input": USER[0]["content"], "tools": RESPONSES_TOOLS, "temperature": 0}
+    response = qwen3.responses.create(**fields)
+    thought, call = response.output
+    assert thought.type == "reasoning" and [part.text for part in thought.content] == [THOUGHT]
+    assert (call.type, call.name, call.arguments) == ("function_call", "get_weather", CALL_ARGUMENTS)
+    assert response.usage.output_tokens_details.reasoning_tokens == 3
+    events = list(qwen3.responses.create(**fields, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THOUGHT
+    streamed = events[-1].response
+    assert [(item.type, item.status) for item in streamed.output] == [("reasoning", "completed"),
+                                                                       ("function_call", "completed")]
+    assert streamed.output[0].content == thought.content and streamed.usage == response.usage
+    # The output given back with the call's result, as Codex CLI sends it: the reasoning item is taken.
+    given_back = [*USER, *(item.model_dump(exclude_none=True) for item in response.output),
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    assert qwen3.responses.create(**{**fields, "input": given_back}).status == "completed"
+
+
+def test_messages_give_the_thinking_as_a_thinking_block_and_take_it_back(qwen3) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=str(qwen3.base_url).removesuffix("/v1/"), api_key="unused",
+                                 max_retries=0)
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    # No temperature (this SDK takes none): the script's next token is all but certain at any.
+    fields = {"model": "m", "max_tokens": 64, "messages": USER, "tools": tools}
+    message = client.messages.create(**fields)
+    assert [block.type for block in message.content] == ["thinking", "tool_use"]
+    assert message.content[0].thinking == THOUGHT and message.stop_reason == "tool_use"
+    assert message.content[1].input == json.loads(CALL_ARGUMENTS)
+    with client.messages.stream(**fields) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content][:1] == [message.content[0].model_dump()]
+    history = [*USER, {"role": "assistant", "content": [b.model_dump() for b in message.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": message.content[1].id,
+                                             "content": "sunny"}]}]
+    assert client.messages.create(**{**fields, "messages": history}).content[0].type == "thinking"

@@ -66,10 +66,21 @@ class ToolResultBlock(BaseModel):
     toolset_name: str | None = None
 
 
-# The content blocks a request may hold; any other type (image, document, thinking, server tools' blocks)
-# is refused naming its place.
+class ThinkingBlock(BaseModel):
+    """An earlier answer's thinking (`--reasoning-parser`), in the history: taken and left out of the prompt,
+    as Anthropic leaves earlier turns' thinking out of the context and chat templates leave it out."""
+
+    model_config = _REQUEST
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+# The content blocks a request may hold; any other type (image, document, redacted thinking, server tools'
+# blocks) is refused naming its place.
 BLOCKS: dict[str, type[BaseModel]] = {"text": TextBlock, "tool_use": ToolUseBlock,
-                                      "tool_result": ToolResultBlock}
+                                      "tool_result": ToolResultBlock, "thinking": ThinkingBlock}
 
 UNSUPPORTED_IN_BLOCKS: dict[str, Unsupported] = {
     "citations": Unsupported(unset, "citations are not supported"),
@@ -235,6 +246,15 @@ class TextContent(BaseModel):
     text: str
 
 
+class ThinkingContent(BaseModel):
+    """A reasoning model's thinking (`--reasoning-parser`), before the answer's blocks. Its signature is
+    empty: the text is the model's own, in the clear, with nothing to verify."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class ToolUseContent(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -251,7 +271,7 @@ class MessagesResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[TextContent | ToolUseContent]
+    content: list[ThinkingContent | TextContent | ToolUseContent]
     model: str
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None = None
@@ -273,12 +293,17 @@ class MessageStartEvent(BaseModel):
 class ContentBlockStartEvent(BaseModel):
     type: Literal["content_block_start"] = "content_block_start"
     index: int
-    content_block: TextContent | ToolUseContent  # empty: text "", input {}
+    content_block: ThinkingContent | TextContent | ToolUseContent  # empty: text "", input {}, thinking ""
 
 
 class TextDelta(BaseModel):
     type: Literal["text_delta"] = "text_delta"
     text: str
+
+
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
 
 
 class InputJsonDelta(BaseModel):
@@ -289,7 +314,7 @@ class InputJsonDelta(BaseModel):
 class ContentBlockDeltaEvent(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: ThinkingDelta | TextDelta | InputJsonDelta
 
 
 class ContentBlockStopEvent(BaseModel):

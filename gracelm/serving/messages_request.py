@@ -158,12 +158,13 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
 
 
 def _assistant(message: Message, where: str) -> dict[str, Any]:
-    """An assistant message: its text blocks as the content, its tool_use blocks as its calls."""
+    """An assistant message: its text blocks as the content, its tool_use blocks as its calls; its thinking
+    blocks are left out (`ThinkingBlock`)."""
     if isinstance(message.content, str):
         return {"role": "assistant", "content": message.content}
     texts, calls = [], []
     for i, value in enumerate(message.content):
-        block = _block(value, f"{where}.content.{i}", ("text", "tool_use"))
+        block = _block(value, f"{where}.content.{i}", ("text", "tool_use", "thinking"))
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolUseBlock):

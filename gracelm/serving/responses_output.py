@@ -1,9 +1,10 @@
 """A response's output items and its stream's events. The output is built from the chat stream's deltas
 (`tool_calls.StreamedChoice`) by one `OutputBuilder`, plain or streamed, so that both give the same items: a
-message item with one `output_text` part per run of text, a `function_call` item per call. Streamed, each
-step is an event of OpenAI's sequence (docs/responses.md, "Streaming"), numbered by `sequence_number`; a
-response that does not end well (aborted at a drain's deadline, failed, the engine dead) ends with an `error`
-event, then `response.failed`.
+`reasoning` item for a reasoning model's thinking (`--reasoning-parser`; its text as one `reasoning_text`
+part), a message item with one `output_text` part per run of text, a `function_call` item per call.
+Streamed, each step is an event of OpenAI's sequence (docs/responses.md, "Streaming"), numbered by
+`sequence_number`; a response that does not end well (aborted at a drain's deadline, failed, the engine
+dead) ends with an `error` event, then `response.failed`.
 
 Apart from `serving_responses.py`, which runs the request: the response object as it is shaped (`shell`,
 `ended`, `failed`), whatever ran it — plain, streamed or in the background.
@@ -16,13 +17,16 @@ import uuid
 from typing import Any, Literal
 
 from gracelm.serving.api_errors import APIError
-from gracelm.serving.openai_protocol import DeltaMessage
+from gracelm.serving.openai_protocol import DeltaMessage, Usage
 from gracelm.serving.responses_protocol import (
     FunctionCallOutput,
     IncompleteDetails,
     OutputItem,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
+    ReasoningOutput,
+    ReasoningText,
     ResponseErrorInfo,
     ResponseObject,
     ResponsesRequest,
@@ -45,12 +49,14 @@ def shell(req: ResponsesRequest, response_id: str, model: str, stored: bool) -> 
         service_tier="default" if req.service_tier is not None else None, background=bool(req.background))
 
 
-def ended(shell: ResponseObject, builder: OutputBuilder, finish_reason: str | None, input_tokens: int,
-          output_tokens: int) -> ResponseObject:
+def ended(shell: ResponseObject, builder: OutputBuilder, finish_reason: str | None,
+          chat_usage: Usage) -> ResponseObject:
     """The response once its output is complete: incomplete when cut by max_output_tokens."""
     cut = finish_reason == "length"
-    usage = ResponseUsage(input_tokens=input_tokens, output_tokens=output_tokens,
-                          total_tokens=input_tokens + output_tokens)
+    details = chat_usage.completion_tokens_details
+    usage = ResponseUsage(input_tokens=chat_usage.prompt_tokens, output_tokens=chat_usage.completion_tokens,
+                          total_tokens=chat_usage.total_tokens, output_tokens_details=OutputTokensDetails(
+                              reasoning_tokens=details.reasoning_tokens if details else 0))
     return shell.model_copy(update={
         "status": "incomplete" if cut else "completed", "output": list(builder.items), "usage": usage,
         "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None,
@@ -79,6 +85,8 @@ class OutputBuilder:
     def feed(self, deltas: list[DeltaMessage]) -> list[Event]:
         events: list[Event] = []
         for delta in deltas:
+            if delta.reasoning_content:
+                events += self._reasoning(delta.reasoning_content)
             if delta.content:
                 events += self._text(delta.content)
             for piece in delta.tool_calls or []:
@@ -100,6 +108,16 @@ class OutputBuilder:
             events += self._delta(self._blank)
         return events + self._close("incomplete" if finish_reason == "length" else "completed")
 
+    def _reasoning(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if not isinstance(self._open, ReasoningOutput):
+            events += self._close("completed")
+            events += self._open_item(ReasoningOutput(id=f"rs_{self._hex_id}_{len(self.items)}",
+                                                      status="in_progress", content=[ReasoningText(text="")]))
+        assert isinstance(self._open, ReasoningOutput)
+        self._open.content[0].text += text
+        return [*events, ("response.reasoning_text.delta", {**self._at(), "content_index": 0, "delta": text})]
+
     def _text(self, text: str) -> list[Event]:
         if isinstance(self._open, OutputMessage):
             return self._delta(text)
@@ -120,8 +138,8 @@ class OutputBuilder:
         self.items.append(item)
         self._open = item
         shown = item.model_dump()
-        if isinstance(item, OutputMessage):
-            shown["content"] = []  # its part comes with an event of its own
+        if isinstance(item, OutputMessage | ReasoningOutput):
+            shown["content"] = []  # its text comes with events of its own
         return [("response.output_item.added", {"output_index": len(self.items) - 1, "item": shown})]
 
     def _delta(self, text: str) -> list[Event]:
@@ -149,6 +167,9 @@ class OutputBuilder:
                                                      "logprobs": []}),
                       ("response.content_part.done", {**self._at(), "content_index": 0,
                                                       "part": part.model_dump()})]
+        elif isinstance(item, ReasoningOutput):
+            events = [("response.reasoning_text.done", {**self._at(), "content_index": 0,
+                                                        "text": item.content[0].text})]
         else:
             events = [("response.function_call_arguments.done", {**self._at(), "arguments": item.arguments})]
         events.append(("response.output_item.done", {"output_index": len(self.items) - 1,

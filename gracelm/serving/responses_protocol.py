@@ -82,12 +82,13 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
 
 
-# What `reasoning` may say here, where no output is reasoning (no reasoning parser): no effort, and a summary
-# of reasoning if there is any, which is honoured by giving none (Codex CLI asks for `summary: "auto"`).
+# What `reasoning` may say here: no effort, and a summary of the reasoning (Codex CLI asks for `summary:
+# "auto"`), which is honoured by more than it asks: with a reasoning parser, the whole reasoning, in the
+# reasoning items' `content`; without one, no output is reasoning.
 _REASONING_ACCEPTED = {"effort": (None, "none"), "summary": (None, "auto", "concise", "detailed"),
                        "generate_summary": (None, "auto", "concise", "detailed")}
-# What `include` may ask for: the encrypted content of reasoning items, of which there are none (Codex CLI
-# asks for it).
+# What `include` may ask for: the encrypted content of reasoning items, which here is none, since their
+# text is given in the clear (Codex CLI asks for it).
 _INCLUDE_ACCEPTED = ("reasoning.encrypted_content",)
 
 
@@ -116,8 +117,9 @@ UNSUPPORTED: dict[str, Unsupported] = {
                                                "is automatic"),
     "prompt_cache_retention": Unsupported(one_of("in_memory"),
                                           'only "in_memory" retention exists (the prefix cache)'),
-    "reasoning": Unsupported(_no_reasoning, "reasoning effort is not supported: this server has no "
-                                            "reasoning parser (a summary, of no reasoning, is accepted)"),
+    "reasoning": Unsupported(_no_reasoning, "reasoning effort is not supported (a summary is accepted: "
+                                            "with --reasoning-parser the reasoning comes whole, in "
+                                            "reasoning items)"),
     "service_tier": Unsupported(one_of("auto", "default"), 'only the "auto" and "default" tiers exist'),
     "top_logprobs": Unsupported(one_of(0), "logprobs are not returned by the Responses API here"),
     "truncation": Unsupported(one_of("disabled"), 'only "disabled" truncation exists: an input over the '
@@ -159,6 +161,21 @@ class FunctionCallItem(BaseModel):
     status: str | None = None
     namespace: str | None = None
     caller: dict[str, Any] | None = None
+
+
+class ReasoningItem(BaseModel):
+    """An earlier output's reasoning item, given back (Codex CLI sends every output item back). Taken and
+    left out of the prompt, as chat templates leave out earlier answers' thinking and as OpenAI drops it
+    from the context after the turn it served."""
+
+    model_config = _REQUEST_CONFIG
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -234,7 +251,24 @@ class FunctionCallOutput(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | FunctionCallOutput
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOutput(BaseModel):
+    """A reasoning model's thinking, as an output item (`--reasoning-parser`): its whole text in `content`,
+    no summary, nothing encrypted."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText]
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | FunctionCallOutput | ReasoningOutput
 
 
 class InputTokensDetails(BaseModel):
@@ -243,7 +277,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0  # no reasoning parser: a model's thinking is output text
+    reasoning_tokens: int = 0  # without a reasoning parser a model's thinking is output text
 
 
 class ResponseUsage(BaseModel):

@@ -31,6 +31,7 @@ from gracelm.serving.responses_protocol import (
     FunctionCallOutputItem,
     FunctionTool,
     InputMessage,
+    ReasoningItem,
     ResponsesRequest,
 )
 
@@ -82,6 +83,8 @@ def _add_item(conversation: _Conversation, item: Any, where: str) -> None:
         conversation.origins.append((where, []))
     elif kind == "function_call":
         _add_call(conversation, validated(FunctionCallItem, item, where), where)
+    elif kind == "reasoning":
+        validated(ReasoningItem, item, where)  # taken, not rendered (`ReasoningItem`)
     elif kind == "function_call_output":
         result = validated(FunctionCallOutputItem, item, where)
         refuse_fields(result, UNSUPPORTED_IN_CALLS, f"{where}.")
@@ -92,8 +95,8 @@ def _add_item(conversation: _Conversation, item: Any, where: str) -> None:
         conversation.messages.append(tool_message)
         conversation.origins.append((where, []))
     else:
-        raise APIError(400, f"{where}.type: only message, function_call and function_call_output items are "
-                            f"supported, got {json.dumps(kind)}", param=f"{where}.type",
+        raise APIError(400, f"{where}.type: only message, function_call, function_call_output and reasoning "
+                            f"items are supported, got {json.dumps(kind)}", param=f"{where}.type",
                        code="unsupported_parameter")
 
 

@@ -3,9 +3,9 @@
 A Messages request is read into the `ChatCompletionRequest` it asks for (`messages_request.py`), which the
 chat endpoint plans (`ServingChat.plan`: the template, the tools, the sampling, the checks) and this endpoint
 runs (`ServingBase.start`, counted as `api="messages"`), so that both go through the same engine, limits,
-admission, drain and metrics. The answer is shaped back: text and `tool_use` content blocks, a stop reason
-(`end_turn`, `max_tokens`, `stop_sequence` with the sequence, `tool_use`), and the usage; a stream is
-Anthropic's events.
+admission, drain and metrics. The answer is shaped back: a `thinking` block (with `--reasoning-parser`),
+text and `tool_use` content blocks, a stop reason (`end_turn`, `max_tokens`, `stop_sequence` with the
+sequence, `tool_use`), and the usage; a stream is Anthropic's events.
 
 A tool call's id is chat's with Anthropic's prefix (`toolu_`); a client sends the ids back as it got them.
 """
@@ -38,6 +38,8 @@ from gracelm.serving.messages_protocol import (
     StopDelta,
     TextContent,
     TextDelta,
+    ThinkingContent,
+    ThinkingDelta,
     ToolUseContent,
 )
 from gracelm.serving.messages_request import chat_request, renamed
@@ -45,7 +47,7 @@ from gracelm.serving.openai_protocol import AssistantMessage, DeltaMessage
 from gracelm.serving.request_client import RequestClient
 from gracelm.serving.serving_base import ServingBase, SseDialect, StreamTally, sse_event
 from gracelm.serving.serving_chat import ChatPlan, ServingChat
-from gracelm.serving.tool_calls import StreamedChoice, ToolPlan, final_message
+from gracelm.serving.tool_calls import StreamedChoice, final_message
 
 # A message's id is Anthropic's prefix and its request's: the engine's id (in the log and the status page)
 # is `msg-` and the client's X-Request-Id or a fresh one, the message's `msg_` and the same.
@@ -80,11 +82,12 @@ class ServingMessages(ServingBase):
         run = await self.start(client, [plan.prompt_ids], plan.params, request_id, "messages", api="messages")
         message_id = MESSAGE_ID_PREFIX + request_id.removeprefix(f"{ENGINE_ID_PREFIX}-")
         if req.stream:
-            events = self._stream(message_id, request_id, run.deltas, len(plan.prompt_ids), plan.tools)
+            events = self._stream(message_id, request_id, run.deltas, plan)
             return self.sse(events, run, MESSAGES_SSE)
         final = await self.final_output(client, run)
         output = final.outputs[0]
-        message, finish_reason = final_message(output.text, output.finish_reason, plan.tools)
+        message, finish_reason = final_message(output.text, output.finish_reason, plan.tools,
+                                               plan.text_reading)
         stop_reason, stop_sequence = _stop(finish_reason, output)
         usage = MessagesUsage(input_tokens=len(plan.prompt_ids), output_tokens=len(output.token_ids))
         return MessagesResponse(id=message_id, content=_content(message), model=self.model_name,
@@ -103,12 +106,13 @@ class ServingMessages(ServingBase):
             raise renamed(exc, places) from None
 
     async def _stream(self, message_id: str, request_id: str, deltas: AsyncIterator[RequestOutput],
-                      num_prompt_tokens: int, tools: ToolPlan) -> AsyncGenerator[str]:
+                      plan: ChatPlan) -> AsyncGenerator[str]:
         """message_start; each content block's start, deltas and stop; message_delta (stop reason, output
         tokens) and message_stop; or, if the request was aborted or failed, an error event after what was
         sent (`sse` adds no last line)."""
+        num_prompt_tokens = len(plan.prompt_ids)
         tally = StreamTally(num_prompt_tokens)
-        streamed = StreamedChoice(tools)
+        streamed = StreamedChoice(plan.tools, plan.text_reading)
         blocks = _BlockEvents()
         usage = MessagesUsage(input_tokens=num_prompt_tokens, output_tokens=0)
         start = MessagesResponse(id=message_id, content=[], model=self.model_name, stop_reason=None,
@@ -135,15 +139,21 @@ class ServingMessages(ServingBase):
 
 
 class _BlockEvents:
-    """A stream's chat deltas as content blocks: a text block for a run of text, a tool_use block per call
-    (its input as `input_json_delta` pieces); each block stops when the next starts, the last at the end."""
+    """A stream's chat deltas as content blocks: a thinking block for the thinking, a text block for a run
+    of text, a tool_use block per call (its input as `input_json_delta` pieces); each block stops when the
+    next starts, the last at the end."""
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None  # "text" or "tool_use"
+        self.open: str | None = None  # "thinking", "text" or "tool_use"
 
     def of(self, piece: DeltaMessage) -> list[str]:
         events = []
+        if piece.reasoning_content:
+            if self.open != "thinking":
+                events += self._start(ThinkingContent(thinking=""))
+            thought = ThinkingDelta(thinking=piece.reasoning_content)
+            events.append(messages_event(ContentBlockDeltaEvent(index=self.index, delta=thought)))
         if piece.content:
             if self.open != "text":
                 events += self._start(TextContent(text=""))
@@ -158,7 +168,7 @@ class _BlockEvents:
                 events.append(messages_event(ContentBlockDeltaEvent(index=self.index, delta=piece_of_input)))
         return events
 
-    def _start(self, block: TextContent | ToolUseContent) -> list[str]:
+    def _start(self, block: ThinkingContent | TextContent | ToolUseContent) -> list[str]:
         events = self.close()
         self.index += 1
         self.open = block.type
@@ -182,8 +192,10 @@ def _stop(finish_reason: str | None, output: CompletionOutput) -> tuple[str, str
     return "end_turn", None
 
 
-def _content(message: AssistantMessage) -> list[TextContent | ToolUseContent]:
-    blocks: list[TextContent | ToolUseContent] = []
+def _content(message: AssistantMessage) -> list[ThinkingContent | TextContent | ToolUseContent]:
+    blocks: list[ThinkingContent | TextContent | ToolUseContent] = []
+    if message.reasoning_content:
+        blocks.append(ThinkingContent(thinking=message.reasoning_content))
     if message.content:
         blocks.append(TextContent(text=message.content))
     for call in message.tool_calls or []:

@@ -44,7 +44,7 @@ from gracelm.serving.responses_request import (
     given_items,
     named_as_sent,
 )
-from gracelm.serving.serving_base import Run, ServingBase, SseDialect, StreamTally
+from gracelm.serving.serving_base import Run, ServingBase, SseDialect, StreamTally, final_usage
 from gracelm.serving.serving_chat import ChatPlan, ServingChat
 from gracelm.serving.tool_calls import StreamedChoice
 
@@ -84,9 +84,10 @@ class ServingResponses(ServingBase):
         final = await self.final_output(client, run)
         output = final.outputs[0]
         builder = OutputBuilder(hex_id)
-        builder.feed(StreamedChoice(plan.tools).deltas(output.text, True))
+        builder.feed(StreamedChoice(plan.tools, plan.text_reading).deltas(output.text, True))
         builder.finish(output.finish_reason)
-        response = ended(echoed, builder, output.finish_reason, len(plan.prompt_ids), len(output.token_ids))
+        response = ended(echoed, builder, output.finish_reason,
+                         final_usage(len(plan.prompt_ids), final, plan.reasoning))
         if saved is not None:
             await saved.save(response)
         return response
@@ -196,8 +197,8 @@ class ServingResponses(ServingBase):
 
     async def _background_output(self, run: Run, plan: ChatPlan, shell: ResponseObject, saved: _Saved,
                                  builder: OutputBuilder) -> ResponseObject:
-        streamed = StreamedChoice(plan.tools)
-        tally = StreamTally(len(plan.prompt_ids))
+        streamed = StreamedChoice(plan.tools, plan.text_reading)
+        tally = StreamTally(len(plan.prompt_ids), plan.reasoning)
         finish_reason = None
         async with contextlib.aclosing(run.deltas) as deltas:
             async for delta in deltas:
@@ -211,7 +212,7 @@ class ServingResponses(ServingBase):
         if error is not None:
             return failed(shell, builder, error)
         builder.finish(finish_reason)
-        return ended(shell, builder, finish_reason, tally.num_prompt_tokens, tally.completion_tokens)
+        return ended(shell, builder, finish_reason, tally.usage())
 
     async def _stream(self, deltas: AsyncIterator[RequestOutput], plan: ChatPlan, events: Events,
                       saved: _Saved | None, request_id: str) -> AsyncGenerator[str]:
@@ -219,8 +220,8 @@ class ServingResponses(ServingBase):
         incomplete; a response aborted or failed ends with its error (`Events.failure`)."""
         yield events.lifecycle("response.created")
         yield events.lifecycle("response.in_progress")
-        streamed = StreamedChoice(plan.tools)
-        tally = StreamTally(len(plan.prompt_ids))
+        streamed = StreamedChoice(plan.tools, plan.text_reading)
+        tally = StreamTally(len(plan.prompt_ids), plan.reasoning)
         finish_reason = None
         async for delta in deltas:
             for o in delta.outputs:
@@ -234,8 +235,7 @@ class ServingResponses(ServingBase):
             return
         for event in events.builder.finish(finish_reason):
             yield events.write(*event)
-        response = ended(events.shell, events.builder, finish_reason, tally.num_prompt_tokens,
-                         tally.completion_tokens)
+        response = ended(events.shell, events.builder, finish_reason, tally.usage())
         if saved is not None:
             await saved.save(response)  # before the last event: a client may go on from it at once
         last = "response.incomplete" if response.status == "incomplete" else "response.completed"
