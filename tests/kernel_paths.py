@@ -102,7 +102,7 @@ def build_graphs(paths: list[KernelPath], cache: Path) -> None:
 
 def _start_compiler(path: KernelPath, cache: Path) -> subprocess.Popen:
     code = ("from gracelm.config import EngineConfig\n"
-            "from gracelm.parallel.decode_graph_build import compile_in_child\n"
+            "from gracelm.parallel.decode_graph_compiler import compile_in_child\n"
             f"compile_in_child(EngineConfig(model={str(matrix_gguf())!r}, **{path.engine_options()!r}))\n")
     env = {**os.environ, "GRACELM_CACHE_DIR": str(cache), **cpu_features.environment(path.mask)}
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,

@@ -1,9 +1,9 @@
 """Gets rank 0's model its compiled decode steps (`model/decode_graph.py`: one for one sequence, one for 2
 up to 64, `graph_batches`) without delaying the start: loaded from the cache when they are there (0.1 s
 each, before the core says Ready), else compiled in a child process (`gracelm::compile`, one thread, at
-idle priority) while the engine serves eagerly, and each loaded between two steps once the child has
-written it (one sequence's first). A stop before the end keeps the graphs written: the next start compiles
-only the others, and finds in inductor's cache the kernels it had compiled.
+idle priority: `decode_graph_compiler.py`) while the engine serves eagerly, and each loaded between two
+steps once the child has written it (one sequence's first). A stop before the end keeps the graphs
+written: the next start compiles only the others, and finds in inductor's cache the kernels it had compiled.
 A start that finds no package therefore serves at eager speed for a minute or two (the default model on
 this project's machine: about 45 s, then 40 s more, with the attention a compiled op of its own); every
 later start of the same model, torch and CPU is fast from its first step.
@@ -19,37 +19,22 @@ not apply (`graph_applies`), nothing is started."""
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
-import gracelm.cpu_features as cpu_features
 import gracelm.startup_timeline as startup_timeline
 from gracelm.config import EngineConfig
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
-from gracelm.lifecycle.processes import ChildProcess, exit_process, start_process
+from gracelm.lifecycle.processes import ChildProcess, start_process
 from gracelm.memory_budget import available_memory, gib
-from gracelm.model.decode_graph import (
-    DecodeGraph,
-    compile_graph,
-    damaged,
-    graph_batches,
-    graph_key,
-    graph_path,
-    inductor_cache,
-)
+from gracelm.model.decode_graph import DecodeGraph, damaged, graph_batches, graph_key, graph_path
 from gracelm.model.decode_graph_check import check
 from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import low_bit_layout
-from gracelm.model.loader import LoadedModel, load_model
-from gracelm.parallel.worker import dense_weights_for
+from gracelm.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
-COMPILER_ENTRY = "gracelm.parallel.decode_graph_build:compile_in_child"
+COMPILER_ENTRY = "gracelm.parallel.decode_graph_compiler:compile_in_child"
 # What the compiler takes beside its copy of the weights: torch's inductor, the traced graphs, the C++
 # compiler it runs.
 _COMPILER_WORK = 1 << 30
@@ -170,40 +155,3 @@ def graph_files(config: EngineConfig, loaded: LoadedModel) -> dict[range, Path]:
     layout = low_bit_layout(loaded.model)
     return {rows: graph_path(graph_key(*key, rows, layout, config.decode_attention))
             for rows in graph_batches(loaded.model)}
-
-
-def compile_in_child(config: EngineConfig) -> None:
-    """The compiler process: loads the model as the engine core did (its conversions are cached by now) and
-    writes each package the cache lacks, one sequence's first."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(processName)s[%(process)d] %(levelname)s %(name)s: %(message)s")
-    _serving_first()
-    # torch.fx's interpreter makes a (disabled) tqdm bar, whose default lock is a multiprocessing semaphore:
-    # registered with the resource tracker in a spawned process, and left to it by the quick exit below.
-    tqdm.set_lock(threading.RLock())
-    torch.set_num_threads(1)
-    # Before inductor reads its configuration: no pool of compile workers, and its own cache in gracelm's.
-    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache()))
-    cpu_features.mask(config.mask_cpu_features)
-    loaded = load_model(config.model, config.dtype, config.quantization,
-                        dense_weights=dense_weights_for(config))
-    loaded.freeze()
-    loaded.model.model.decode_attention = config.decode_attention
-    for rows, path in graph_files(config, loaded).items():
-        if not path.exists():
-            compile_graph(loaded.model, config.block_size, rows, path)
-            logger.info("decode graph written to %s", path)
-    # At once: the interpreter's teardown of torch and inductor took 26 s at low priority beside a busy core.
-    exit_process(0)
-
-
-def _serving_first() -> None:
-    """Runs this process (and the compilers it starts, which inherit it) only on CPU time that serving
-    leaves idle (SCHED_IDLE): the compile costs the requests beside it no CPU time, only what they share
-    besides (caches, memory bandwidth), and goes on between their steps. Where the policy is refused, the
-    lowest nice value."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
