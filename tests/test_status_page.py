@@ -194,7 +194,7 @@ def test_json_shows_requests_in_flight_kv_use_and_prefix_hits(server, model):
     admitted = after["requests"]["admitted_by_api"]
     assert admitted["completions"] - body["requests"]["admitted_by_api"]["completions"] == 0
     assert admitted["completions"] >= 5 and set(admitted) == {"chat_completions", "completions", "responses",
-                                                              "messages"}
+                                                              "messages", "embeddings"}
     # The tokens just streamed show in the throughput history once their 2-second bucket is complete.
     wait_for(lambda: sum(status(server)["throughput"]["tokens_per_s"]) > 0, timeout=10,
              what="a throughput sample")
