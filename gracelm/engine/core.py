@@ -196,9 +196,11 @@ class EngineCoreProc:
     def run(self) -> None:
         """Serves until a `Shutdown`'s deadline passes or nothing is left to finish; then aborts the rest."""
         while True:
-            # Once a stop is requested, never block: with nothing left to finish, the loop must end now.
-            self._receive(block=not self.core.has_unfinished_requests()
-                          and self.core.state is CoreState.RUNNING)
+            # Once a stop is requested, never block: with nothing left to finish, the loop must end now. Nor
+            # while a compiled graph waits for its check, which an idle core runs.
+            idle = not self.core.has_unfinished_requests() and self.core.state is CoreState.RUNNING
+            graphs_due = idle and self.core.executor.graphs_due()
+            self._receive(block=idle and not graphs_due)
             self.heartbeat.beat()
             if self._stop_due():
                 break
@@ -209,6 +211,8 @@ class EngineCoreProc:
                 self._steps += 1
                 faults().after_core_step(self._steps)
                 self.heartbeat.beat()
+            elif graphs_due:
+                self.core.executor.poll_graphs()
         self.core.set_state(CoreState.SHUTTING_DOWN)
         self._send_outputs(self.core.abort_all())
 
