@@ -6,6 +6,8 @@ plain and streamed, with tools, with structured outputs that apply after it, and
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -41,10 +43,11 @@ CASES = [
 
 
 def _fed(plan: ReasoningPlan, pieces: list[str]) -> tuple[str | None, str]:
+    """The text read piece by piece, then an empty last piece (a stream's last delta may have no text)."""
     reader = plan.reader()
     reasoning = content = ""
-    for piece in [*pieces, None]:
-        more_reasoning, more_content = reader.feed(piece) if piece is not None else reader.finish()
+    for index, piece in enumerate([*pieces, ""]):
+        more_reasoning, more_content = reader.read(piece, last=index == len(pieces))
         reasoning, content = reasoning + more_reasoning, content + more_content
     return reasoning or None, content
 
@@ -111,30 +114,25 @@ def models(tmp_path_factory) -> dict:
             "deepseek_r1": make_scripted_model(base / "deepseek", DEEPSEEK_SCRIPT, DEEPSEEK_R1_TEMPLATE)}
 
 
-def _client(models: dict, name: str, parser: str):
+def _serving(model: Path, parser: str) -> Iterator:
+    """An openai client of a server of `model` with `--reasoning-parser parser`, while it runs."""
     import openai
 
     from tests.server_process import ServerProcess
 
-    process = ServerProcess(models[name], "--reasoning-parser", parser, "--max-model-len", "512",
-                            "--served-model-name", "m", env={"OMP_WAIT_POLICY": "PASSIVE"})
-    return process, openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0)
+    with ServerProcess(model, "--reasoning-parser", parser, "--max-model-len", "512", "--served-model-name",
+                       "m", env={"OMP_WAIT_POLICY": "PASSIVE"}) as process:
+        yield openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def qwen3(models):
-    process, client = _client(models, "qwen3", "auto")
-    with process:
-        yield client
-        process.stop()
+    yield from _serving(models["qwen3"], "auto")
 
 
 @pytest.fixture(scope="module")
 def deepseek(models):
-    process, client = _client(models, "deepseek_r1", "deepseek_r1")
-    with process:
-        yield client
-        process.stop()
+    yield from _serving(models["deepseek_r1"], "deepseek_r1")
 
 
 def test_the_parser_auto_picks_is_the_templates_and_a_model_without_think_tokens_is_refused(models) -> None:

@@ -66,10 +66,8 @@ class ReasoningPlan:
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole output's reasoning (None if it has none) and answer."""
-        reader = self.reader()
-        reasoning, answer = reader.feed(text)
-        more_reasoning, more_answer = reader.finish()
-        return (reasoning + more_reasoning) or None, answer + more_answer
+        reasoning, answer = self.reader().read(text, last=True)
+        return reasoning or None, answer
 
     def reasoning_tokens(self, token_ids: list[int]) -> int:
         return 0 if self.span is None else self.span.reasoning_tokens(token_ids)
@@ -80,14 +78,26 @@ NO_REASONING = ReasoningPlan(Phase.ANSWER, Phase.ANSWER, None)
 
 class ReasoningReader:
     """One choice's text, in pieces, read as reasoning and answer: each piece gives the reasoning and the
-    answer it completes. A piece that may be the start of a tag is held back until the next piece tells."""
+    answer it completes. A piece that may be the start of a tag is held back until the next piece tells,
+    or the output ends."""
 
     def __init__(self, plan: ReasoningPlan) -> None:
         self._phase = plan.phase
         self._otherwise = plan.otherwise
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def read(self, text: str, last: bool = False) -> tuple[str, str]:
+        """The reasoning and the answer that `text`, the next piece, completes (`last`: the output's last
+        piece, after which nothing is held back)."""
+        reasoning, answer = self._feed(text)
+        if not last:
+            return reasoning, answer
+        held, self._held = self._held, ""
+        if self._phase is Phase.OPENING:
+            self._phase = self._otherwise
+        return (reasoning + held, answer) if self._phase is Phase.THINKING else (reasoning, answer + held)
+
+    def _feed(self, text: str) -> tuple[str, str]:
         text, self._held = self._held + text, ""
         if self._phase is Phase.OPENING:
             if text.startswith(OPEN_TAG):
@@ -106,13 +116,6 @@ class ReasoningReader:
         kept = len(text) - _tag_start(text, CLOSE_TAG)
         self._held = text[kept:]
         return text[:kept], ""
-
-    def finish(self) -> tuple[str, str]:
-        """What is held back, at the end of the output."""
-        held, self._held = self._held, ""
-        if self._phase is Phase.OPENING:
-            self._phase = self._otherwise
-        return (held, "") if self._phase is Phase.THINKING else ("", held)
 
 
 def _tag_start(text: str, tag: str) -> int:

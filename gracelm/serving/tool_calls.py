@@ -368,10 +368,7 @@ class StreamedChoice:
     def deltas(self, text: str, finished: bool) -> list[DeltaMessage]:
         """The deltas of `text`, the choice's next piece (`finished`: its last); at least one, empty if
         nothing is to be sent yet, so that logprobs and the finish reason have a chunk to go in."""
-        thought, text = self._thinking.feed(text)
-        if finished:
-            more_thought, more_text = self._thinking.finish()
-            thought, text = thought + more_thought, text + more_text
+        thought, text = self._thinking.read(text, finished)
         shown = thought if self._shows_thinking else ""
         out = [DeltaMessage(reasoning_content=shown, reasoning=shown)] if shown else []
         return [*out, *self._answer_deltas(text, finished)] or [DeltaMessage()]
