@@ -119,7 +119,8 @@ class Executor:
         """The first steps, on every rank, before the core says Ready (`warmup.py`): eager, as the steps
         are until the compiled graphs are checked (after Ready: `decode_graph_build.py`); before the cache's
         pages are committed, which would compete."""
-        steps = warmup_steps(self.config.block_size, num_blocks, self.model_config.vocab_size)
+        steps = warmup_steps(self.config.block_size, num_blocks, self.model_config.vocab_size,
+                             pooled=self.config.task == "embed")
         if self._group is not None:
             self._group.broadcast(m.WarmUp([step.batch for step in steps]))
         run_warmup(self._driver, steps)
