@@ -114,20 +114,20 @@ def models(tmp_path_factory) -> dict:
             "deepseek_r1": make_scripted_model(base / "deepseek", DEEPSEEK_SCRIPT, DEEPSEEK_R1_TEMPLATE)}
 
 
-def _serving(model: Path, parser: str) -> Iterator:
+def _serving(model: Path, parser: str, *args: str) -> Iterator:
     """An openai client of a server of `model` with `--reasoning-parser parser`, while it runs."""
     import openai
 
     from tests.server_process import ServerProcess
 
     with ServerProcess(model, "--reasoning-parser", parser, "--max-model-len", "512", "--served-model-name",
-                       "m", env={"OMP_WAIT_POLICY": "PASSIVE"}) as process:
+                       "m", *args, env={"OMP_WAIT_POLICY": "PASSIVE"}) as process:
         yield openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def qwen3(models):
-    yield from _serving(models["qwen3"], "auto")
+def qwen3(models, tmp_path_factory):
+    yield from _serving(models["qwen3"], "auto", "--state-dir", str(tmp_path_factory.mktemp("state")))
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +245,14 @@ def test_the_request_switches(qwen3) -> None:
 
     with pytest.raises(openai.BadRequestError, match="stream_reasoning"):
         _streamed(qwen3, extra_body={"stream_reasoning": False})
+
+
+def test_the_batch_apis_usage_sums_the_reasoning_tokens(qwen3) -> None:
+    from tests.batch_helpers import chat_line, jsonl, submit, wait_for
+
+    lines = [chat_line(f"line-{i}", USER[0]["content"], max_tokens=16) for i in range(2)]
+    batch = wait_for(qwen3, submit(qwen3, jsonl(lines)).id)
+    assert batch.status == "completed" and batch.usage.output_tokens_details.reasoning_tokens == 2 * 3
 
 
 def test_deepseek_r1_output_starts_inside_the_thinking(deepseek) -> None:
