@@ -68,6 +68,8 @@ class GrammarChecker:
                 raise APIError(400, f"{field}: checking this constraint took more than {TIMEOUT_S:g} s; make "
                                     f"it smaller", param=field, code="invalid_value") from None
             except (EOFError, OSError):
+                # Its pipe closed as it died: its end, once reaped, says how (a signal, an exit code).
+                await asyncio.to_thread(self._child.join, _STOP_TIMEOUT_S)
                 how = self._restart("crashed")
                 raise APIError(400, f"{field}: the grammar library failed on this constraint ({how}); make "
                                     f"it smaller or simpler", param=field, code="invalid_value") from None
