@@ -14,6 +14,7 @@ from gracelm.model.sampler import SamplingMetadata, TokenConstraints, make_gener
 from gracelm.model.token_constraints import ConstraintStates
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.structured_output import StructuredOutputs
+from gracelm.thinking_span import ThinkingSpan
 from tests.process_checks import assert_nothing_left
 from tests.tiny_models import VOCAB_SIZE, tiny_model
 
@@ -87,6 +88,54 @@ def test_grammar_mask_follows_the_output(tokenizer):
     assert torch.equal(again, fresh)
     states.release(["r"])
     assert len(states) == 0
+
+
+OPENER, END, WORD = 3, 4, 5  # any ids serve as the think tags here
+
+
+def _thinking_mask(states: ConstraintStates, span: ThinkingSpan, output: list[int]) -> torch.Tensor | None:
+    """The row's disallowed tokens after `output`, its last token advanced first, as the worker does."""
+    for token in output[-1:]:
+        states.advance("r", token)
+    params = SamplingParams(structured_outputs=REGEX, thinking=span)
+    return states.build(["r"], [params], [output]).disallowed
+
+
+def _grammar_mask(tokenizer: Tokenizer, output: list[int]) -> torch.Tensor:
+    params = SamplingParams(structured_outputs=REGEX)
+    return ConstraintStates(tokenizer, VOCAB_SIZE).build(["s"], [params], [output]).disallowed[0]
+
+
+@pytest.mark.parametrize("span", [ThinkingSpan(end=END, opener=OPENER), ThinkingSpan(end=END)])
+def test_a_grammar_waits_for_the_end_of_the_thinking(tokenizer, span):
+    """A reasoning model's thinking is not masked; the grammar reads the tokens after its end. Where the
+    thinking is optional, the first token may be its opener or what the grammar allows."""
+    states = ConstraintStates(tokenizer, VOCAB_SIZE)
+    first = _thinking_mask(states, span, [])
+    if span.opener is None:
+        assert first is None  # the output starts inside the thinking
+    else:
+        expected = _grammar_mask(tokenizer, []).clone()
+        expected[OPENER] = False
+        assert torch.equal(first[0], expected)
+    thinking = [OPENER, WORD, WORD] if span.opener is not None else [WORD, WORD]
+    assert _thinking_mask(states, span, thinking) is None
+    output, answer = [*thinking, END], []
+    for token in tokenizer.encode("dog 12", add_special_tokens=False):
+        assert torch.equal(_thinking_mask(states, span, output)[0], _grammar_mask(tokenizer, answer))
+        output.append(token)
+        answer.append(token)
+    assert not bool(_thinking_mask(states, span, output)[0][tokenizer.eos_token_id])  # "dog 12" matches
+    # Out of step with the output (a token never recorded): rebuilt from the answer's tokens.
+    assert torch.equal(_thinking_mask(states, span, [*thinking, END])[0], _grammar_mask(tokenizer, []))
+
+
+def test_an_output_that_does_not_open_its_optional_thinking_is_all_answer(tokenizer):
+    states = ConstraintStates(tokenizer, VOCAB_SIZE)
+    span = ThinkingSpan(end=END, opener=OPENER)
+    first = tokenizer.encode("dog", add_special_tokens=False)[:1]
+    _thinking_mask(states, span, [])
+    assert torch.equal(_thinking_mask(states, span, first)[0], _grammar_mask(tokenizer, first))
 
 
 def test_unconstrained_rows_cost_nothing_and_refusals_name_the_request(tokenizer):
