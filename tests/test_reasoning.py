@@ -217,6 +217,15 @@ def test_qwen3_a_call_after_the_thinking_is_read_and_none_within_it(qwen3) -> No
     assert finish_reason == "tool_calls"
 
 
+def test_an_answer_sent_back_whole_is_taken(qwen3) -> None:
+    """A client that appends the answer's message to the conversation sends its thinking back, under both
+    names."""
+    message = _message(qwen3)[0].message
+    history = [*USER, message, {"role": "user", "content": "And in Bergen?"}]
+    answer = qwen3.chat.completions.create(model="m", messages=history, temperature=0)
+    assert answer.choices[0].message.model_dump()["reasoning"] == THOUGHT
+
+
 def test_qwen3_with_thinking_turned_off_all_is_answer(qwen3) -> None:
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     choice, usage = _message(qwen3, extra_body=off)

@@ -155,7 +155,9 @@ class ChatMessage(BaseModel):
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
     audio: dict[str, Any] | None = None
+    # An earlier answer's thinking, under either name it was given (a client sends the message back whole).
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
