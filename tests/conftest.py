@@ -52,10 +52,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The suite's cache directory (`GRACELM_CACHE_DIR`, inherited by the servers it starts): a temporary one
-    per session, so that tests never write to ~/.cache and every session starts with a cold cache."""
+    per session, so that tests never write to ~/.cache and every session starts with a cold cache.
+
+    Inductor's cache of compiled kernels (`TORCHINDUCTOR_CACHE_DIR`, which the graph compiler takes where it
+    is set) is one for the session too: a test that compiles a model's graphs into a cache of its own finds
+    the kernels of the same graphs compiled before, and compiles only what is new."""
     path = tmp_path_factory.mktemp("gracelm-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ENV, str(path))
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
         yield path
 
 
