@@ -1,7 +1,8 @@
 """Tiny random-weight Hugging Face model directories, made on the fly for tests (nothing is downloaded).
 
 `make_tiny_model(dir, arch)` writes config.json, model.safetensors and a byte-level BPE tokenizer trained
-here on generated text, with a ChatML chat template. Same arguments, same bytes: weights come from a fixed
+here on generated text, with a ChatML chat template; `make_tiny_embedding_model` a Qwen3-Embedding
+look-alike (`tiny_embedding_model` once a session). Same arguments, same bytes: weights come from a fixed
 seed and the text and the trainer are deterministic. `tiny_model(arch, **overrides)` makes each variant
 once per test session, in a temporary directory removed at exit.
 """
@@ -117,17 +118,55 @@ def make_tiny_model(directory: str | Path, arch: str = "llama", **config_overrid
     return directory
 
 
+# sentence-transformers' modules of an embedding model: the transformer, its Pooling, and Normalize.
+_ST_MODULES = [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+               for i, (path, kind) in enumerate([("", "Transformer"), ("1_Pooling", "Pooling"),
+                                                 ("2_Normalize", "Normalize")])]
+POOLING_MODES = ("lasttoken", "mean_tokens", "cls_token")
+
+
+def make_tiny_embedding_model(directory: str | Path, pooling: str = "lasttoken",
+                              **config_overrides: Any) -> Path:
+    """A tiny Qwen3 decoder laid out as Qwen3-Embedding is: the weights under the names Qwen3Model saves (no
+    `model.` prefix, no logits head) and sentence-transformers' files, pooling by `pooling` (one of
+    `POOLING_MODES`) and normalising."""
+    from safetensors.torch import load_file, save_file
+
+    directory = make_tiny_model(directory, "qwen3", **config_overrides)
+    weights = directory / "model.safetensors"
+    state = load_file(weights)
+    decoder = {name.removeprefix("model."): t for name, t in state.items() if not name.startswith("lm_head.")}
+    save_file(decoder, weights, metadata={"format": "pt"})
+    (directory / "modules.json").write_text(json.dumps(_ST_MODULES))
+    flags = {f"pooling_mode_{mode}": mode == pooling for mode in POOLING_MODES}
+    hidden = json.loads((directory / "config.json").read_text())["hidden_size"]
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden,
+                                                                      **flags}))
+    (directory / "2_Normalize").mkdir()
+    return directory
+
+
 _session_dir: Path | None = None
 _made: dict[str, Path] = {}
 
 
 def tiny_model(arch: str = "llama", **config_overrides: Any) -> Path:
     """`make_tiny_model` once per (arch, overrides) in this process; the directory is shared, read-only."""
+    return _once(make_tiny_model, arch, **config_overrides)
+
+
+def tiny_embedding_model(pooling: str = "lasttoken", **config_overrides: Any) -> Path:
+    """`make_tiny_embedding_model` once per (pooling, overrides) in this process, as `tiny_model`."""
+    return _once(make_tiny_embedding_model, pooling, **config_overrides)
+
+
+def _once(make: Any, variant: str, **config_overrides: Any) -> Path:
     global _session_dir
-    key = json.dumps([arch, config_overrides], sort_keys=True)
+    key = json.dumps([make.__name__, variant, config_overrides], sort_keys=True)
     if key not in _made:
         if _session_dir is None:
             _session_dir = Path(tempfile.mkdtemp(prefix="gracelm-tiny-models-"))
             atexit.register(shutil.rmtree, _session_dir, True)
-        _made[key] = make_tiny_model(_session_dir / f"{arch}-{len(_made)}", arch, **config_overrides)
+        _made[key] = make(_session_dir / f"{variant}-{len(_made)}", variant, **config_overrides)
     return _made[key]

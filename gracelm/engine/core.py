@@ -125,7 +125,7 @@ class EngineCore:
         if self.state is not CoreState.RUNNING:
             return [msg.TokenOutput(add.request_id, None, "abort")]
         request = Request(add.request_id, add.prompt_token_ids, add.sampling_params,
-                          tuple(add.eos_token_ids), add.arrival_time, add.priority)
+                          tuple(add.eos_token_ids), add.arrival_time, add.priority, pooling=add.pooling)
         try:
             self.scheduler.add_request(request)
         except ValueError as e:  # an id in use: the frontend's bug, not a crash of the core
@@ -145,14 +145,16 @@ class EngineCore:
         return self.abort_requests([request.request_id for request in pending])
 
     def step(self) -> list[msg.TokenOutput]:
-        """Schedule → execute → update: one token for each request whose last token was computed."""
+        """Schedule → execute → update: one token for each request whose last token was computed (an
+        embedding request's pooled vector instead)."""
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if not scheduled.scheduled:
             return []
         self.timings.scheduled(item.request.request_id for item in scheduled.scheduled)
         result = self.executor.execute(scheduled.model_step(self.config.block_size))
-        updates = self.scheduler.update_from_output(scheduled, result.sampled, result.prompt_logprobs)
+        updates = self.scheduler.update_from_output(scheduled, result.sampled, result.prompt_logprobs,
+                                                    result.pooled)
         for update in updates:
             self.timings.sampled(update.request_id, update.finished)
         self.executor.release_requests([u.request_id for u in updates if u.finished])
@@ -350,6 +352,8 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
 
 def _token_output(update: RequestUpdate) -> msg.TokenOutput:
     sampled = update.sampled
+    if update.embedding is not None:
+        return msg.TokenOutput(update.request_id, None, update.finish_reason, embedding=update.embedding)
     if sampled is None:  # a fault ended the request (containment: `Scheduler.update_from_output`)
         return msg.TokenOutput(update.request_id, None, update.finish_reason, fault=update.fault)
     return msg.TokenOutput(update.request_id, sampled.token_id, update.finish_reason, update.stop_reason,
