@@ -222,6 +222,14 @@ def test_embeddings_are_counted_by_api(server, client):
     assert metric_value(text, "gracelm_api_requests_total", api="embeddings") >= 1
 
 
+def test_every_request_field_is_documented():
+    from gracelm.serving.embeddings_protocol import EmbeddingRequest
+
+    table = (Path(__file__).parent.parent / "docs" / "api_fields.md").read_text().split("### Embeddings")[1]
+    missing = [f for f in EmbeddingRequest.model_fields if f"| `{f}` |" not in table]
+    assert not missing, f"embedding fields missing from docs/api_fields.md: {missing}"
+
+
 # -- the offline engine: mean and CLS pooling over chunked prefills -------------------------------------
 
 
