@@ -8,11 +8,10 @@ Normalize module makes the vector unit-length). A decoder without those files is
 and normalised, as vLLM does for `--task embed`.
 
 In a step, the rows of each request's pooled positions are summed (`pooled_sums`: tensor methods only, so
-this module imports no torch) and the scheduler adds the chunks' sums up; the engine returns the pooled vector
-as it is (for "mean" the rows' mean); `finished` applies what the
-request and the model ask on top: Matryoshka truncation to `dimensions` (only where config.json declares
-`is_matryoshka` or `matryoshka_dimensions`: other models' leading dimensions mean nothing alone), then
-normalisation.
+this module imports no torch) and the scheduler adds the chunks' sums up; the engine returns the pooled
+vector as it is (for "mean" the rows' mean). `finished` applies what the request and the model ask on top:
+Matryoshka truncation to `dimensions` (only where config.json declares `is_matryoshka` or
+`matryoshka_dimensions`: other models' leading dimensions mean nothing alone), then normalisation.
 """
 
 from __future__ import annotations
@@ -97,20 +96,21 @@ def read_pooling(model: str | os.PathLike[str] | None) -> Pooling:
     pooling_dir = _pooling_dir(path)
     hf = _json(path / "config.json") or {}
     method = "last" if pooling_dir is None else _method(pooling_dir)
-    normalize = pooling_dir is None or _has_module(path, _NORMALIZE_MODULE)
+    normalize = pooling_dir is None or any(m.get("type") == _NORMALIZE_MODULE for m in _modules(path))
     return Pooling(method, normalize, _matryoshka(hf))
 
 
+def _modules(path: Path) -> list[dict[str, Any]]:
+    """The sentence-transformers modules that `modules.json` lists (none without the file)."""
+    return [module for module in _json(path / "modules.json") or [] if isinstance(module, dict)]
+
+
 def _pooling_dir(path: Path) -> Path | None:
-    """The directory of the Pooling module that `modules.json` lists, if any."""
-    for module in _json(path / "modules.json") or []:
-        if isinstance(module, dict) and module.get("type") == _POOLING_MODULE:
+    """The directory of the Pooling module, if any."""
+    for module in _modules(path):
+        if module.get("type") == _POOLING_MODULE:
             return path / str(module.get("path", ""))
     return None
-
-
-def _has_module(path: Path, kind: str) -> bool:
-    return any(isinstance(m, dict) and m.get("type") == kind for m in _json(path / "modules.json") or [])
 
 
 def _method(pooling_dir: Path) -> str:
