@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The modules that use the session's compiled decode graphs (`graph_cache`): on one worker, which builds them
 # once for both.
 GRAPH_MODULES = ("test_decode_graph.py", "test_kernel_paths.py")
+GRAPH_BUILD_TIMEOUT_S = 900
 
 
 def _own_temp_dir_per_worker() -> None:
@@ -40,6 +41,7 @@ def _own_temp_dir_per_worker() -> None:
 _own_temp_dir_per_worker()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each module is one group of `--dist loadgroup`: its tests run in their order on one worker (some
     follow each other, a restart reading what the test before it left), and its module-scoped servers start
@@ -47,6 +49,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         group = "compiled-graphs" if item.path.name in GRAPH_MODULES else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+        if "graph_cache" in getattr(item, "fixturenames", ()):
+            # The first test that needs the suite's graphs builds them: its time includes the build.
+            item.add_marker(pytest.mark.timeout(GRAPH_BUILD_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -91,19 +91,29 @@ def build_graphs(paths: list[KernelPath], cache: Path) -> None:
     at a time; those the cache holds already are skipped by the compiler itself."""
     pending = list(paths)
     running: list[tuple[KernelPath, subprocess.Popen]] = []
-    while pending or running:
-        while pending and len(running) < 2:
-            path = pending.pop(0)
-            running.append((path, _start_compiler(path, cache)))
-        path, process = running.pop(0)
-        out, _ = process.communicate(timeout=COMPILE_TIMEOUT_S)
-        assert process.returncode == 0, f"compiling {path.name}'s graphs failed:\n{out[-5000:]}"
+    try:
+        while pending or running:
+            while pending and len(running) < 2:
+                path = pending.pop(0)
+                running.append((path, _start_compiler(path, cache)))
+            path, process = running[0]
+            out, _ = process.communicate(timeout=COMPILE_TIMEOUT_S)
+            running.pop(0)
+            assert process.returncode == 0, f"compiling {path.name}'s graphs failed:\n{out[-5000:]}"
+    finally:
+        for _, process in running:  # a failure or a timeout leaves no compiler behind
+            process.kill()
+            process.wait()
 
 
 def _start_compiler(path: KernelPath, cache: Path) -> subprocess.Popen:
+    """The server's compiler, at normal priority: it runs at idle priority beside serving, but here it is
+    the suite's own work, which the tests of another pytest-xdist worker must not starve."""
     code = ("from gracelm.config import EngineConfig\n"
-            "from gracelm.parallel.decode_graph_compiler import compile_in_child\n"
-            f"compile_in_child(EngineConfig(model={str(matrix_gguf())!r}, **{path.engine_options()!r}))\n")
+            "import gracelm.parallel.decode_graph_compiler as compiler\n"
+            "compiler._serving_first = lambda: None\n"
+            f"config = EngineConfig(model={str(matrix_gguf())!r}, **{path.engine_options()!r})\n"
+            "compiler.compile_in_child(config)\n")
     env = {**os.environ, "GRACELM_CACHE_DIR": str(cache), **cpu_features.environment(path.mask)}
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
