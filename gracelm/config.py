@@ -10,11 +10,15 @@ import gracelm.cpu_features as cpu_features
 from gracelm.options import at_least, option, validate
 
 # Hugging Face architecture name -> the family features it needs. Anything else is refused by name.
+# `fused_projections`: the checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
+# (`model/fused_weights.py` splits them at load). The README's table of families is written from this one
+# (`model/family_table.py`).
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"attention_bias": False, "qk_norm": False},
-    "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+    "LlamaForCausalLM": {"attention_bias": False, "qk_norm": False, "fused_projections": False},
+    "MistralForCausalLM": {"attention_bias": False, "qk_norm": False, "fused_projections": False},
+    "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False, "fused_projections": False},
+    "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True, "fused_projections": False},
+    "Phi3ForCausalLM": {"attention_bias": False, "qk_norm": False, "fused_projections": True},
 }
 
 
@@ -50,6 +54,27 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    rotary_dim: int | None = None  # the leading dims of each head that rope rotates (None: all of them)
+    sliding_window: int | None = None  # each token attends to this many tokens at most (None: all)
+
+    @property
+    def rotary_width(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def context_limit(self) -> tuple[int, str]:
+        """The longest sequence computed as the model defines it, and what sets that bound. Past a sliding
+        window, or past LongRoPE's original context (where transformers switches every position of the
+        sequence to the long factors, keys already cached included), the paged attention would compute
+        something else: those lengths are refused, never approximated."""
+        limits = [(self.max_position_embeddings, "max_position_embeddings")]
+        if self.sliding_window is not None:
+            limits.append((self.sliding_window, "its sliding window (sliding_window), which gracelm's "
+                                                "attention does not apply"))
+        if rope_type(self.rope_scaling) == "longrope":
+            original = self.rope_scaling["original_max_position_embeddings"]
+            limits.append((original, "LongRoPE's original context (original_max_position_embeddings): "
+                                     "its long factors are not supported"))
+        return min(limits, key=lambda limit: limit[0])
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -68,6 +93,7 @@ class ModelConfig:
             )
         features = SUPPORTED_ARCHITECTURES[arch]
         heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -78,18 +104,39 @@ class ModelConfig:
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=hf.get("rope_theta", 10000.0),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=features["attention_bias"] or bool(hf.get("attention_bias", False)),
             qk_norm=features["qk_norm"],
-            rope_scaling=hf.get("rope_scaling"),
+            rope_scaling=_rope_scaling(hf),
             hidden_act=hf.get("hidden_act", "silu"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            rotary_dim=_rotary_dim(hf, head_dim),
+            sliding_window=(hf.get("sliding_window") or None) if hf.get("use_sliding_window", True) else None,
         )
+
+
+def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """`rope_scaling`, LongRoPE's original context added from the top level where the config keeps it there
+    (transformers 4's Phi-3 configs); transformers' own default where neither has it."""
+    scaling = hf.get("rope_scaling")
+    if rope_type(scaling) != "longrope" or "original_max_position_embeddings" in scaling:
+        return scaling
+    original = hf.get("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+    return {**scaling, "original_max_position_embeddings": original}
+
+
+def _rotary_dim(hf: dict[str, Any], head_dim: int) -> int | None:
+    """How many leading dims of a head rope rotates, as transformers rounds it; None for the whole head.
+    transformers 5 may keep `partial_rotary_factor` among the rope parameters only."""
+    factor = hf.get("partial_rotary_factor") or (hf.get("rope_scaling") or {}).get("partial_rotary_factor")
+    if factor is None or factor >= 1:
+        return None
+    return int(head_dim * factor)
 
 
 def rope_type(rope_scaling: dict[str, Any] | None) -> str:

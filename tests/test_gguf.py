@@ -38,6 +38,8 @@ _HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    # Phi-3's fused matrices: llama.cpp keeps them so, gate rows then up rows in `ffn_up`.
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
 # Tolerated |dequantized - original| relative to the tensor's largest magnitude, per storage type.
 REL_TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q5_0: 7e-2, Q.Q5_1: 7e-2,
@@ -63,7 +65,7 @@ def hf_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module
                   num_attention_heads=heads[0], num_key_value_heads=heads[1], max_position_embeddings=256,
                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
     kwargs.update(overrides)
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[arch]
     config = getattr(transformers, f"{name}Config")(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
@@ -244,12 +246,15 @@ def run_prefill(model: torch.nn.Module, tokens: list[int], block_size: int = 4) 
     return model(batch, caches)
 
 
+PHI3_IDS = {"pad_token_id": 0, "eos_token_id": VOCAB - 3}  # Phi3Config's own ids lie past this vocabulary
 LOGIT_VARIANTS = {
     "llama-Q8_0-tied": ("llama", Q.Q8_0, {}),
     "llama-Q4_K-untied": ("llama", Q.Q4_K, {"tie_word_embeddings": False}),
     "llama-Q6_K": ("llama", Q.Q6_K, {}),
     "qwen2-F16-bias": ("qwen2", Q.F16, {}),
     "qwen3-Q4_1-qknorm": ("qwen3", Q.Q4_1, {}),
+    "phi3-Q8_0-fused": ("phi3", Q.Q8_0, {"tie_word_embeddings": False, **PHI3_IDS}),
+    "phi3-Q4_K-fused-tied": ("phi3", Q.Q4_K, PHI3_IDS),
 }
 
 
@@ -261,11 +266,13 @@ def test_logits_equal_transformers_on_the_same_gguf(tmp_path: Path, variant: str
     model = hf_model(arch, **overrides)
     tensors = gguf_layout(model, arch)
     heads = (model.config.num_attention_heads, model.config.num_key_value_heads)
+    # transformers reads a phi3 file's pad id from it, else takes Phi3Config's, past this vocabulary.
+    kwargs = {"arch": arch, "heads": heads, "metadata": {"pad_token_id": 0} if arch == "phi3" else None}
     if qtype in K_QUANT_SCALES:
         # Random blocks have a nonzero mean: a smaller spread keeps the logits in a float32-exact range.
-        path, _ = write_k_quant_gguf(tmp_path / "m.gguf", tensors, qtype, std=0.04, arch=arch, heads=heads)
+        path, _ = write_k_quant_gguf(tmp_path / "m.gguf", tensors, qtype, std=0.04, **kwargs)
     else:
-        path = write_gguf(tmp_path / "m.gguf", tensors, qtype, arch=arch, heads=heads)
+        path = write_gguf(tmp_path / "m.gguf", tensors, qtype, **kwargs)
     reference = AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -278,6 +285,33 @@ def test_logits_equal_transformers_on_the_same_gguf(tmp_path: Path, variant: str
     ours = run_prefill(loaded.model, tokens)
     assert 1.0 < expected.abs().max() < 30.0  # far from zero, so that a wrong weight would show
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+def test_phi4_mini_partial_rotary_and_longrope_from_llamacpp_metadata(tmp_path: Path) -> None:
+    """Phi-4-mini's kind: rope over part of each head, LongRoPE's factors as llama.cpp writes them (two
+    tensors, the attention factor and the original context as metadata), a sliding window. Logits equal the
+    model's own (an F32 file holds its exact weights) within the window and the original context."""
+    rotary, original = 32, 64  # of head_dim 64
+    factors = {"short_factor": [1.0 + i / 8 for i in range(rotary // 2)],
+               "long_factor": [16.0] * (rotary // 2)}
+    model = hf_model("phi3", **PHI3_IDS, partial_rotary_factor=rotary / 64, sliding_window=48,
+                     original_max_position_embeddings=original, rope_scaling={"type": "longrope", **factors})
+    tensors = gguf_layout(model, "phi3")
+    tensors.update({f"rope_factors_{kind}.weight": np.array(factors[f"{kind}_factor"], dtype=np.float32)
+                    for kind in ("long", "short")})
+    attn_factor = math.sqrt(1 + math.log(256 / original) / math.log(original))
+    path = write_gguf(tmp_path / "m.gguf", tensors, Q.F32, arch="phi3", heads=(4, 2), metadata={
+        "rope_dimension_count": rotary, "rope_scaling_orig_ctx_len": original, "sliding_window": 48,
+        "rope_scaling_attn_factors": attn_factor})
+    loaded = load_model(path, dtype="float32")
+    config = loaded.config
+    assert (config.architecture, config.rotary_dim, config.sliding_window) == ("Phi3ForCausalLM", rotary, 48)
+    assert config.rope_scaling["original_max_position_embeddings"] == original
+    assert config.context_limit()[0] == 48
+    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(run_prefill(loaded.model, tokens), expected, atol=1e-4, rtol=0)
 
 
 def test_config_from_metadata(tmp_path: Path) -> None:

@@ -21,6 +21,9 @@ from tests.tiny_models import VOCAB_SIZE, tiny_model
 ATOL = 1e-4
 BLOCK_SIZE = 4  # small, so that sequences span many blocks
 
+# Phi-4-mini's kind: rope over half of each head, LongRoPE (within its original context: its short factors).
+PHI4_MINI_KIND = {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 128, "rope_scaling": {
+    "type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [8.0] * 4}}
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
     "llama-rope-llama3": ("llama", {"rope_theta": 10000.0, "rope_scaling": {
@@ -31,6 +34,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
+    # Phi-3's fused q/k/v and gate/up; Phi-4-mini's partial rotary and LongRoPE (its short factors).
+    "phi3": ("phi3", {}),
+    "phi3-partial-longrope": ("phi3", PHI4_MINI_KIND),
 }
 
 
@@ -190,7 +196,7 @@ def test_decode_steps_over_scattered_blocks(models: Models) -> None:
 
 
 FREEZE_ARCHS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}),
-                "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 32})}
+                "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 32}), "phi3": ("phi3", {})}
 
 
 def mixed_batch_with_decodes(model: LlamaForCausalLM, dtype: torch.dtype) -> torch.Tensor:
@@ -235,3 +241,26 @@ def test_freezing_changes_no_logit(name: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(frozen, expected, atol=0.05, rtol=0.02)
     else:
         torch.testing.assert_close(frozen, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("overrides", [{}, PHI4_MINI_KIND], ids=["phi3", "phi3-partial-longrope"])
+def test_greedy_tokens_equal_transformers_generate(overrides: dict) -> None:
+    """Phi-3's greedy tokens, decoded step by step over the paged cache, are transformers' in float32."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_model("phi3", **overrides)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = load_model(directory, dtype="float32", device=TEST_DEVICE).model
+    model.freeze()
+    prompt, new_tokens = random_tokens(9, seed=7), 24
+    runner = PagedRunner(model)
+    logits = runner.step([(0, prompt)])[0]
+    ours = []
+    for _ in range(new_tokens):
+        ours.append(int(logits[-1].argmax()))
+        logits = runner.step([(0, ours[-1:])])[0]
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    expected = out[0, len(prompt):].tolist()  # up to an end-of-sequence token, where generate stops
+    assert len(expected) > 4 and ours[: len(expected)] == expected

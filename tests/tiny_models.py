@@ -57,6 +57,7 @@ def _hf_classes(arch: str) -> tuple[type, type]:
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     }
     if arch not in names:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {', '.join(names)}")

@@ -36,7 +36,7 @@ import zmq
 
 import gracelm.startup_timeline as startup_timeline
 from gracelm.arith import cdiv
-from gracelm.config import EngineConfig
+from gracelm.config import EngineConfig, UnsupportedModelError
 from gracelm.engine import messages as msg
 from gracelm.engine.kv_persistence import KVPersistence
 from gracelm.engine.messages import CoreState
@@ -105,11 +105,14 @@ class EngineCore:
 
     def _size_kv_cache(self) -> tuple[int, int]:
         """max_model_len and the number of KV blocks."""
-        model_limit = self.model_config.max_position_embeddings
+        model_limit, bound = self.model_config.context_limit()
         requested = self.config.max_model_len
         if requested is not None and requested > model_limit:
-            raise ValueError(f"max_model_len {requested} exceeds the model's limit of {model_limit} tokens "
-                             f"(max_position_embeddings)")
+            raise UnsupportedModelError(f"max_model_len {requested} exceeds the model's limit of "
+                                        f"{model_limit} tokens: {bound}")
+        if model_limit < self.model_config.max_position_embeddings:
+            logger.info("the model's context is %d tokens, not its %d: %s", model_limit,
+                        self.model_config.max_position_embeddings, bound)
         available = self.executor.available_kv_blocks()
         max_model_len = requested
         if max_model_len is None:

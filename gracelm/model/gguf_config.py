@@ -19,9 +19,13 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
-# llama.cpp's table of Llama 3 rope scaling factors: not a weight, folded into the config instead.
+# llama.cpp's table of Llama 3 rope scaling factors, and LongRoPE's two tables of factors (Phi-3 and Phi-4):
+# not weights, folded into the config instead.
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+NOT_WEIGHTS = (ROPE_FREQS, *LONGROPE_FACTORS.values())
 
 
 def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
@@ -45,6 +49,8 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
 
     heads = key("attention.head_count")
     hidden = key("embedding_length")
+    head_dim = key("attention.key_length", hidden // heads)
+    rotary_dim = key("rope.dimension_count", head_dim)
     embed = gguf.tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"{gguf.path}: GGUF file has no token_embd.weight tensor")
@@ -57,7 +63,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         num_hidden_layers=key("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
-        head_dim=key("attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
         rope_theta=key("rope.freq_base", 10000.0),
         max_position_embeddings=key("context_length"),
@@ -67,6 +73,8 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         rope_scaling=_rope_scaling(gguf, gguf_arch, hidden // heads if heads else 0),
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
+        rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+        sliding_window=key("attention.sliding_window", 0) or None,  # llama.cpp writes 0 for none
     )
 
 
@@ -74,6 +82,8 @@ def _rope_scaling(gguf: GGUFFile, gguf_arch: str, default_head_dim: int) -> dict
     md = gguf.metadata
     kind = md.get(f"{gguf_arch}.rope.scaling.type", "none")
     factor = md.get(f"{gguf_arch}.rope.scaling.factor")
+    if LONGROPE_FACTORS["long_factor"] in gguf.tensors:
+        return _longrope_scaling(gguf, gguf_arch)
     if ROPE_FREQS in gguf.tensors:
         return _llama3_scaling(gguf, gguf_arch, md.get(f"{gguf_arch}.rope.dimension_count", default_head_dim))
     if kind == "none" or (kind == "linear" and factor in (None, 1.0)):
@@ -81,6 +91,24 @@ def _rope_scaling(gguf: GGUFFile, gguf_arch: str, default_head_dim: int) -> dict
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     raise UnsupportedModelError(f"{gguf.path}: unsupported rope scaling {kind!r}; supported: linear, llama3")
+
+
+def _longrope_scaling(gguf: GGUFFile, gguf_arch: str) -> dict[str, Any]:
+    """LongRoPE's parameters as llama.cpp keeps them: the factors as tensors, the attention factor and the
+    original context as metadata."""
+    md = gguf.metadata
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for key, name in LONGROPE_FACTORS.items():
+        info = gguf.tensors.get(name)
+        if info is None:
+            raise UnsupportedModelError(f"{gguf.path}: LongRoPE's {name} is missing beside its other factors")
+        scaling[key] = dequantize(gguf.raw_tensor(info), info.ggml_type).astype(np.float64).tolist()
+    original = md.get(f"{gguf_arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ValueError(f"{gguf.path}: GGUF metadata lacks {gguf_arch}.rope.scaling.original_context_length")
+    scaling["original_max_position_embeddings"] = original
+    scaling["attention_factor"] = md.get(f"{gguf_arch}.rope.scaling.attn_factor")
+    return scaling
 
 
 def _llama3_scaling(gguf: GGUFFile, gguf_arch: str, rotary_dim: int) -> dict[str, Any]:

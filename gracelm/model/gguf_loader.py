@@ -16,7 +16,8 @@ from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.block_linear import TILE
 from gracelm.model.file_embedding import FileEmbedding
 from gracelm.model.file_hash import content_hash
-from gracelm.model.gguf_config import ROPE_FREQS, gguf_model_config
+from gracelm.model.fused_weights import split_gguf
+from gracelm.model.gguf_config import NOT_WEIGHTS, gguf_model_config
 from gracelm.model.gguf_int4 import INT4_TYPES
 from gracelm.model.gguf_reader import GGUFFile, GGUFTensorInfo, read_gguf
 from gracelm.model.load_progress import load_progress
@@ -76,7 +77,8 @@ def open_gguf(path: str | Path) -> GGUFModel:
     gguf = read_gguf(path)
     config = gguf_model_config(gguf)
     _check_tensor_types(gguf)
-    names = {name: _hf_name(gguf, name) for name in gguf.tensors if name != ROPE_FREQS}
+    gguf = split_gguf(gguf, config)
+    names = {name: _hf_name(gguf, name) for name in gguf.tensors if name not in NOT_WEIGHTS}
     mark("read")
     model_hash = content_hash(path)
     mark("verify")

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3/4) over a paged KV cache.
 
 Parameter names equal Hugging Face's, so a HF state dict loads as it is. A plain module: it knows nothing of
 serving, scheduling or parallelism; head counts are read from the projections' outputs at run time, so a
@@ -34,7 +34,7 @@ from gracelm.model.quantized_linear import (
     LowBitForm,
     rows_for,
 )
-from gracelm.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from gracelm.model.rope import apply_rope, attention_factor, inverse_frequencies, rope_cos_sin
 from gracelm.model.row_tiles import RowTiles
 
 logger = logging.getLogger(__name__)
@@ -336,6 +336,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Not a weight: recomputed from the config (on CPU even under a `meta` device context).
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.rope_factor = attention_factor(config)
         self.int4_gate: Int4Gate | None = None  # shared by the linears that have 4-bit forms, once frozen
         self.batch_invariant = False  # attend every row alike (`batch_invariant.py`)
         self.decode_graphs: list[DecodeGraph] = []  # compiled decode steps, once loaded (`decode_graph.py`)
@@ -374,7 +375,7 @@ class LlamaModel(nn.Module):
         """What every layer of the step takes: the embedded tokens, rope's cos and sin, the attention
         metadata; and the int4 gate told whether the step has prompt rows."""
         x = self.embed_tokens(batch.input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype, self.rope_factor)
         meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant, self.decode_attention)
         if self.int4_gate is not None:
             self.int4_gate.mark(batch.low_bit_sequences(SHORT_PROMPT), batch.query_lens)

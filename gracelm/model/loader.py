@@ -28,6 +28,7 @@ from gracelm.config import QUANTIZATION_CHOICES, ModelConfig
 from gracelm.memory_budget import gib, require
 from gracelm.model.block_linear import BlockLinear
 from gracelm.model.file_hash import content_hash
+from gracelm.model.fused_weights import split_hf
 from gracelm.model.llama import LlamaForCausalLM
 from gracelm.model.load_progress import load_progress
 from gracelm.model.model_files import ModelLoadError, read_hf_config, resolve_model_path
@@ -209,7 +210,7 @@ def build_model(
         model = LlamaForCausalLM(config, head=head)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected = set(shapes)
-    state = {name: t for name, t in state.items() if not name.endswith(_IGNORED_SUFFIXES)}
+    state = {name: t for name, t in split_hf(config, state).items() if not name.endswith(_IGNORED_SUFFIXES)}
     if not head:
         state = {name if name.startswith(("model.", "lm_head.")) else f"model.{name}": t
                  for name, t in state.items() if not name.startswith("lm_head.")}
