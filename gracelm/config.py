@@ -24,7 +24,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
 
 # An embedding checkpoint of a family above may name its architecture `<Family>Model` (the decoder without
 # the logits head); BERT-like encoders (nomic, bge, e5) are refused by name: gracelm attends causally only.
-_DECODER_ONLY = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
+EMBEDDING_ARCHITECTURES = {arch.removesuffix("ForCausalLM") + "Model": arch
+                           for arch in SUPPORTED_ARCHITECTURES}
 _ENCODERS = ("Bert", "NomicBert", "XLMRoberta", "Roberta", "ModernBert", "NewModel", "GteModel")
 
 
@@ -81,7 +82,7 @@ class ModelConfig:
         """Builds the config from a Hugging Face `config.json` dictionary."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else f"<none; model_type={hf.get('model_type')!r}>"
-        arch = _DECODER_ONLY.get(arch, arch)
+        arch = EMBEDDING_ARCHITECTURES.get(arch, arch)
         if arch.startswith(_ENCODERS):
             raise UnsupportedModelError(
                 f"{arch} is a BERT-family encoder (as nomic, bge and e5 embedding models are): gracelm "
