@@ -15,10 +15,10 @@ from pathlib import Path
 
 Mark = tuple[str, float]
 # The phases of a model's load that are work on the model (the others are the process's own start): read
-# (headers, weights mapped or read), verify (the content hash), repack (weights converted to the kernels'
-# forms, fused) and warmup (its first steps, run before the server is ready: `parallel/warmup.py`). Compiled
-# decode graphs are loaded and checked after ready, beside serving (`parallel/decode_graph_build.py`).
-LOAD_WORK = ("read", "verify", "repack", "warmup")
+# (headers, weights mapped or read), verify (content hash, compiled graphs checked), repack (weights converted
+# to the kernels' forms, fused), compile (compiled graphs loaded; a compile runs beside the server) and warmup
+# (its first steps, run before the server is ready: `parallel/warmup.py`).
+LOAD_WORK = ("read", "verify", "repack", "compile", "warmup")
 
 
 class StartupTimeline:

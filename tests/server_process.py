@@ -117,14 +117,6 @@ class ServerProcess:
             raise TimeoutError(f"gracelm serve not ready after {timeout} s:\n{self.log()}")
         self.capture()
 
-    def wait_for_log(self, text: str, count: int, timeout: float) -> None:
-        """Until `text` is in the log `count` times; fails at once if the server exits."""
-        deadline = time.monotonic() + timeout
-        while self.log().count(text) < count:
-            assert self.process.poll() is None, self.log()[-5000:]
-            assert time.monotonic() < deadline, f"{text!r} not logged in {timeout} s:\n{self.log()[-5000:]}"
-            time.sleep(0.2)
-
     def capture(self) -> None:
         """Records what must be gone after the stop (children, runtime directories), while it runs."""
         self.children = psutil.Process(self.pid).children(recursive=True)

@@ -234,7 +234,8 @@ def test_the_start_up_timeline_is_logged_once_and_in_metrics() -> None:
         log = server.log()
     lines = [line for line in log.splitlines() if "start-up timeline (ms): " in line]
     assert len(lines) == 1, log[-3000:]
-    load = re.findall(r"model load: read [\d.]+ s, verify [\d.]+ s, repack [\d.]+ s, warmup [\d.]+ s", log)
+    load = re.findall(r"model load: read [\d.]+ s, verify [\d.]+ s, repack [\d.]+ s, compile [\d.]+ s, "
+                      r"warmup [\d.]+ s", log)
     assert len(load) == 1, log[-3000:]
     timeline = dict(part.rsplit(" ", 1) for part in lines[0].split("start-up timeline (ms): ")[1].split(", "))
     assert tuple(timeline) == (*PHASES, "total"), lines[0]

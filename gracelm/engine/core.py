@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import signal
 import time
@@ -55,10 +54,6 @@ from gracelm.parallel.executor import Executor
 logger = logging.getLogger(__name__)
 # How long the core's last messages (final outputs, a fatal error report) may wait for the frontend.
 _SEND_LINGER_MS = 2000
-# How long after Ready an idle core leaves the CPUs to the HTTP process's own start (its tokenizer, app and
-# warm-up take a fraction of this) before it checks a compiled graph, which takes them for a second or
-# two: the server is ready only once that start is done. A request ends the wait (it comes after ready).
-_GRAPH_CHECK_DELAY_S = 1.0
 
 
 class EngineCore:
@@ -202,15 +197,13 @@ class EngineCoreProc:
         self._utilities = {"stats": core.stats, "request_timings": core.timings.since,
                            "reset_prefix_cache": core.reset_prefix_cache}
         self._steps = 0
-        self._graph_checks_from = time.monotonic() + _GRAPH_CHECK_DELAY_S
 
     def run(self) -> None:
         """Serves until a `Shutdown`'s deadline passes or nothing is left to finish; then aborts the rest."""
         while True:
-            # Once a stop is requested, never block: with nothing left to finish, the loop must end now. Nor
-            # past the time an idle core checks a compiled graph that waits.
-            idle = not self.core.has_unfinished_requests() and self.core.state is CoreState.RUNNING
-            self._receive(block=idle, wake_in=self._graph_check_in() if idle else None)
+            # Once a stop is requested, never block: with nothing left to finish, the loop must end now.
+            self._receive(block=not self.core.has_unfinished_requests()
+                          and self.core.state is CoreState.RUNNING)
             self.heartbeat.beat()
             if self._stop_due():
                 break
@@ -221,25 +214,13 @@ class EngineCoreProc:
                 self._steps += 1
                 faults().after_core_step(self._steps)
                 self.heartbeat.beat()
-            elif idle and self._graph_check_in() == 0:
-                self.core.executor.poll_graphs()
         self.core.set_state(CoreState.SHUTTING_DOWN)
         self._send_outputs(self.core.abort_all())
 
-    def _graph_check_in(self) -> int | None:
-        """Milliseconds until an idle core checks the compiled graph that waits (`_GRAPH_CHECK_DELAY_S`
-        after Ready at the earliest), or None where none waits."""
-        if not self.core.executor.graphs_due():
-            return None
-        return max(0, math.ceil((self._graph_checks_from - time.monotonic()) * 1000))
-
-    def _receive(self, block: bool, wake_in: int | None = None) -> None:
-        # Blocks only when no request is pending (an idle core costs no CPU), for `wake_in` ms at most;
-        # otherwise takes what is there.
+    def _receive(self, block: bool) -> None:
+        # Blocks only when no request is pending (an idle core costs no CPU); otherwise takes what is there.
         persistence = self.core.kv_persistence
         timeout = persistence.poll_timeout_ms(block) if persistence else (None if block else 0)
-        if wake_in is not None:
-            timeout = wake_in if timeout is None else min(timeout, wake_in)
         while self.poller.poll(timeout):
             self._handle(msg.decode_to_core(self.input.recv(copy=False).buffer))
             timeout = 0

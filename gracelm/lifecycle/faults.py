@@ -21,9 +21,6 @@ The faults (the one list):
 - `test_kv_snapshot_block_sleep_s`: a KV-cache snapshot writes each block this much slower, so that a test
   can kill the core half-way through a save (`kv_block_delay`); `test_exit_in_kv_restore`: the core exits
   (code 5) while it restores its snapshot (`in_kv_restore`).
-- `test_miscompiled_decode_graphs`: every compiled decode graph the engine core loads gives hidden states
-  off by several bfloat16 steps, a miscompiled graph, which its check must keep from serving
-  (`decode_graph_skew`).
 - `test_journal_commit_sleep_s`: each batch-journal transaction waits this long before its COMMIT, so that
   a test's kill lands inside open transactions (`before_journal_commit`).
 - `test_batch_completion_window_s`: a new batch's completion window, in seconds, instead of 24 h
@@ -65,7 +62,6 @@ class FaultInjector:
     exit_for_seed: int | None = None
     kv_snapshot_block_sleep_s: float = 0.0
     exit_in_kv_restore: bool = False
-    miscompiled_decode_graphs: bool = False
     journal_commit_sleep_s: float = 0.0
     batch_completion_window_s: float | None = None
 
@@ -119,10 +115,6 @@ class FaultInjector:
         if self.raise_in_sampling_for_seed is not None and self.raise_in_sampling_for_seed in seeds:
             raise RuntimeError(f"sampling failure injected by the test fault for seed "
                                f"{self.raise_in_sampling_for_seed}")
-
-    def decode_graph_skew(self) -> float:
-        """What a loaded compiled decode graph adds to its output, in parts of the output's largest value."""
-        return 0.05 if self.miscompiled_decode_graphs else 0.0
 
     # -- state on disk --------------------------------------------------------------------------------------
 

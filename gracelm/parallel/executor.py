@@ -116,9 +116,8 @@ class Executor:
         self._driver.commit_kv_cache()
 
     def _warm_up(self, num_blocks: int) -> None:
-        """The first steps, on every rank, before the core says Ready (`warmup.py`): eager, as the steps
-        are until the compiled graphs are checked (after Ready: `decode_graph_build.py`); before the cache's
-        pages are committed, which would compete."""
+        """The first steps, on every rank, before the core says Ready (`warmup.py`): after the compiled
+        graphs load, so that they run too; before the cache's pages are committed, which would compete."""
         steps = warmup_steps(self.config.block_size, num_blocks, self.model_config.vocab_size,
                              pooled=self.config.task == "embed")
         if self._group is not None:
@@ -130,7 +129,8 @@ class Executor:
         `SamplingFault` for a row whose sampling raised: only its request ends), and the prompt logprobs of
         `step.prompt_rows` (rank 0 has the gathered logits of every row)."""
         if self._group is None:
-            self.poll_graphs()
+            if self.graph_build is not None:
+                self.graph_build.poll()
             return self._driver.sample_step(step)
         started = time.perf_counter()
         step.batch.sent_at = time.time()
@@ -146,15 +146,6 @@ class Executor:
                 raise
             self._death_raised = True
             raise death from e
-
-    def graphs_due(self) -> bool:
-        """Whether a compiled decode graph is written and waits to be loaded and checked (`poll_graphs`)."""
-        return self.graph_build is not None and self.graph_build.due()
-
-    def poll_graphs(self) -> None:
-        """Loads and checks the next compiled decode graph written, if any (`DecodeGraphBuild.poll`)."""
-        if self.graph_build is not None:
-            self.graph_build.poll()
 
     def kernel_paths(self) -> dict[str, str]:
         """Rank 0's kernels, and whether its decode steps run compiled (`decode_graph_build.py`)."""
