@@ -3,7 +3,7 @@ cores: OpenMP threads that spin while waiting then steal the cores the other pro
 default-model forward 10x slower under load), so test processes wait passively. Set before torch loads.
 
 Under pytest-xdist (`-n 2`, in pyproject.toml's addopts) each worker has a TMPDIR of its own, and each
-test module runs whole on one worker (`--dist loadgroup`)."""
+test module runs whole on one worker (`pytest_xdist_make_scheduler`)."""
 
 import atexit
 import os
@@ -41,16 +41,25 @@ def _own_temp_dir_per_worker() -> None:
 _own_temp_dir_per_worker()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each module is one group of `--dist loadgroup`: its tests run in their order on one worker (some
-    follow each other, a restart reading what the test before it left), and its module-scoped servers start
-    once. Without xdist the marks do nothing."""
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, absent under -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """pytest-xdist's scheduler here: each module whole on one worker, in its order (some tests follow each
+    other, a restart reading what the test before it left), its module-scoped servers started once; the two
+    modules of the compiled graphs together. Called in the controller only; the largest groups go first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "compiled-graphs" if Path(module).name in GRAPH_MODULES else module
+
+    return ByModule(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The first test that needs the suite's graphs builds them: its time includes the build."""
     for item in items:
-        group = "compiled-graphs" if item.path.name in GRAPH_MODULES else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
         if "graph_cache" in getattr(item, "fixturenames", ()):
-            # The first test that needs the suite's graphs builds them: its time includes the build.
             item.add_marker(pytest.mark.timeout(GRAPH_BUILD_TIMEOUT_S))
 
 
