@@ -3,6 +3,7 @@ workers' lifecycle — clean stop with a teardown report, death noticed at once,
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -65,7 +66,11 @@ def test_indivisible_heads_are_refused_before_any_process(models):
     assert_nothing_left()
 
 
-def test_executor_shutdown_reports_each_ranks_teardown(models):
+def test_executor_shutdown_reports_each_ranks_teardown(models, monkeypatch):
+    """Rank 0 runs in this process: its group is made, torn down, reported, and leaves this process's
+    environment as it found it (gloo's interface, once left set, sent the servers that the suite starts later
+    across two hosts to their own loopback)."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     config = EngineConfig(model=str(models["llama"]), tensor_parallel_size=2, kv_cache_memory="1MiB",
                           **ONE_THREAD)
     executor = Executor(config)
@@ -83,6 +88,7 @@ def test_executor_shutdown_reports_each_ranks_teardown(models):
                for kind, name in released)
     assert executor.shutdown() is not None  # idempotent
     assert_nothing_left()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
 
 
 def test_serve_tp2_equals_tp1(models, tp1_outputs):

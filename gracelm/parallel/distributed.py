@@ -56,13 +56,20 @@ def init_process_group(store: dist.TCPStore, rank: int, world_size: int, timeout
     long enough for the slowest legitimate step; the core monitor's hang timeout is the finer net)."""
     # Unasked, gloo takes the address the machine's hostname resolves to, often 127.0.1.1 (Debian's
     # /etc/hosts): a rank on another host would then be told to connect to its own loopback.
+    interface = None
     if _GLOO_INTERFACE_ENV not in os.environ:
         interface = _interface_towards(store.host, store.port)
         if interface is not None:
             logger.info("rank %d: gloo on %s, the interface that reaches %s", rank, interface, store.host)
             os.environ[_GLOO_INTERFACE_ENV] = interface
-    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+    finally:
+        # Gloo read it as it made the group. Left set, it would reach what the process starts or runs next
+        # (an `Engine` user's process: another engine across hosts, on this one's loopback).
+        if interface is not None:
+            del os.environ[_GLOO_INTERFACE_ENV]
 
 
 def destroy_process_group() -> None:
