@@ -88,7 +88,7 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
     CPU in bfloat16, or in float32 chosen by "auto" (`quantized_linear.int4_serves`); "none" loads dense
     weights only. `dense_weights` (`config.DENSE_WEIGHTS_CHOICES`; the engine's option, whose default is
     "auto"): whether the matrices of those forms also have a dense copy (`_dense_copy`). `embedding`: the
-    decoder alone, for pooling (`build_model`); a Hugging Face directory only."""
+    decoder alone, for pooling (`build_model`)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     if quantization not in QUANTIZATION_CHOICES:
@@ -99,7 +99,7 @@ def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
     if path.is_dir():
         loaded = _load_hf_directory(path, dtype, device, embedding)
     else:
-        loaded = _load_gguf_file(path, dtype, quantization, device, dense_weights)
+        loaded = _load_gguf_file(path, dtype, quantization, device, dense_weights, embedding)
     if device.type != "cpu":
         loaded.model.to(device)
     return loaded
@@ -122,10 +122,12 @@ def _load_hf_directory(path: Path, dtype: str, device: torch.device, embedding: 
 
 
 def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.device,
-                    dense_weights: str) -> LoadedModel:
+                    dense_weights: str, embedding: bool) -> LoadedModel:
     from gracelm.model.gguf_loader import open_gguf
 
     model_file = open_gguf(path)
+    if embedding:  # the decoder alone: a logits matrix the file may hold is neither read nor kept
+        model_file.names = {name: hf for name, hf in model_file.names.items() if hf != "lm_head.weight"}
     target = DTYPES[dtype] if dtype != "auto" else _auto_dtype_of_gguf(model_file.gguf, device)
     low_bit = _low_bit_form(model_file, target, dtype, quantization, device)
     blocks = model_file.int4_matrices() if low_bit is not None else {}
@@ -140,7 +142,7 @@ def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.dev
     state.update({name: torch.empty(tensors[gguf_name].shape, dtype=target, device="meta")
                   for gguf_name, name in blocks.items() if name in without})
     int4 = model_file.low_bit_weights(low_bit) if low_bit is not None else {}  # marks read or repack
-    model = build_model(model_file.config, state, target, source=path)
+    model = build_model(model_file.config, state, target, source=path, head=not embedding)
     if _EMBEDDING in without:
         model.model.embed_tokens = model_file.embedding(target)
     mark("model")

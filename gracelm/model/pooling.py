@@ -4,8 +4,9 @@ touches of that vector. Imports no torch: the frontend resolves the task and fin
 An embedding model is a decoder whose final-norm hidden states are pooled: the last token's
 (Qwen3-Embedding), their mean, or the first token's ("cls"), as sentence-transformers' files say
 (`modules.json` names the Pooling module's directory, whose `config.json` sets one `pooling_mode_*` flag; a
-Normalize module makes the vector unit-length). A decoder without those files is pooled at its last token
-and normalised, as vLLM does for `--task embed`.
+Normalize module makes the vector unit-length). A GGUF file says it in its metadata: llama.cpp's converter
+writes `<arch>.pooling_type` from those same files, and its server normalises the vectors, as gracelm then
+does. A decoder without either is pooled at its last token and normalised, as vLLM does for `--task embed`.
 
 In a step, the rows of each request's pooled positions are summed (`pooled_sums`: tensor methods only, so
 this module imports no torch) and the scheduler adds the chunks' sums up; the engine returns the pooled
@@ -31,6 +32,10 @@ from gracelm.model_step import PooledSum, PoolRows
 # sentence-transformers' flags, in the order they are looked for, and the pooling each names.
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
           "pooling_mode_cls_token": "cls"}
+# llama.cpp's pooling types (gguf-py's `PoolingType`) that an embedding takes; NONE (0, a vector per token)
+# and RANK (4, a reranker's score) are not embeddings.
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+_GGUF_POOLING_NAMES = {0: "NONE (a vector per token)", 4: "RANK (a reranker's score)"}
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 
@@ -84,20 +89,43 @@ def resolve_task(task: str, model: str | os.PathLike[str] | None) -> str:
     if task != "auto":
         return task
     path = resolve_model_path(model)
-    return "embed" if path.is_dir() and _pooling_dir(path) is not None else "generate"
+    if not path.is_dir():
+        return "embed" if _gguf_pooling_type(path) is not None else "generate"
+    return "embed" if _pooling_dir(path) is not None else "generate"
 
 
 def read_pooling(model: str | os.PathLike[str] | None) -> Pooling:
-    """The pooling of the embedding model at `model` (a Hugging Face directory; a GGUF file is refused)."""
+    """The pooling of the embedding model at `model`: a Hugging Face directory, or a GGUF file."""
     path = resolve_model_path(model)
     if not path.is_dir():
-        raise ModelLoadError(f"{path}: embeddings are served from Hugging Face model directories; a GGUF "
-                             f"file is not supported with --task embed")
+        return _gguf_pooling(path)
     pooling_dir = _pooling_dir(path)
     hf = _json(path / "config.json") or {}
     method = "last" if pooling_dir is None else _method(pooling_dir)
     normalize = pooling_dir is None or any(m.get("type") == _NORMALIZE_MODULE for m in _modules(path))
     return Pooling(method, normalize, _matryoshka(hf))
+
+
+def _gguf_pooling(path: Path) -> Pooling:
+    """A GGUF file's pooling, from its `<arch>.pooling_type` (last token where it has none), normalised as
+    llama.cpp's server normalises; no Matryoshka dimensions, which the file cannot declare."""
+    kind = _gguf_pooling_type(path)
+    if kind is None:
+        return Pooling()
+    if kind not in _GGUF_POOLING:
+        named = _GGUF_POOLING_NAMES.get(kind, f"{kind}, unknown")
+        raise ModelLoadError(f"{path}: its pooling_type is {named}; embeddings are pooled by "
+                             f"{', '.join(f'{k} ({m})' for k, m in _GGUF_POOLING.items())}")
+    return Pooling(_GGUF_POOLING[kind])
+
+
+def _gguf_pooling_type(path: Path) -> int | None:
+    """The `<arch>.pooling_type` of a GGUF file's metadata, or None where it has none."""
+    from gracelm.model.gguf_reader import read_gguf  # gguf-py's import is of no use to a directory
+
+    metadata = read_gguf(path).metadata
+    kind = metadata.get(f"{metadata.get('general.architecture')}.pooling_type")
+    return None if kind is None else int(kind)
 
 
 def _modules(path: Path) -> list[dict[str, Any]]:
