@@ -61,6 +61,9 @@ class Shape:
     tied: bool  # tie_word_embeddings: no output.weight
     context: int  # max_position_embeddings
     llama3_rope_factor: float | None = None  # Llama 3 rope scaling: low 1, high 4, over 8,192 positions
+    pooling: gguf.PoolingType | None = None  # an embedding model's pooling (`<arch>.pooling_type`)
+    experts: int = 0  # a mixture of experts: experts per layer (0: a dense feed-forward)
+    experts_used: int = 0  # experts each token is routed to
 
 
 SHAPES: dict[str, Shape] = {
@@ -76,6 +79,14 @@ SHAPES: dict[str, Shape] = {
     "qwen3-4b": Shape(arch="qwen3", layers=36, hidden=2560, intermediate=9728, heads=32, kv_heads=8,
                       head_dim=128, vocab=151_936, rope_theta=1_000_000.0, rms_eps=1e-6, tied=True,
                       context=40_960),
+    # Qwen/Qwen3-Embedding-0.6B config.json and its sentence-transformers pooling (last token)
+    "qwen3-embedding-0.6b": Shape(arch="qwen3", layers=28, hidden=1024, intermediate=3072, heads=16,
+                                  kv_heads=8, head_dim=128, vocab=151_669, rope_theta=1_000_000.0,
+                                  rms_eps=1e-6, tied=True, context=32_768, pooling=gguf.PoolingType.LAST),
+    # Qwen/Qwen3-30B-A3B config.json: `intermediate` is its moe_intermediate_size, each expert's width
+    "qwen3-30b-a3b": Shape(arch="qwen3moe", layers=48, hidden=2048, intermediate=768, heads=32, kv_heads=4,
+                           head_dim=128, vocab=151_936, rope_theta=1_000_000.0, rms_eps=1e-6, tied=False,
+                           context=40_960, experts=128, experts_used=8),
     # meta-llama/Llama-3.1-8B config.json
     "llama-3.1-8b": Shape(arch="llama", layers=32, hidden=4096, intermediate=14_336, heads=32, kv_heads=8,
                           head_dim=128, vocab=128_256, rope_theta=500_000.0, rms_eps=1e-5, tied=False,
@@ -102,6 +113,11 @@ class TensorSpec:
         block, size = gguf.GGML_QUANT_SIZES[self.ggml_type]
         return int(np.prod(self.shape)) // block * size
 
+    @property
+    def row_bytes(self) -> int:
+        block, size = gguf.GGML_QUANT_SIZES[self.ggml_type]
+        return self.shape[-1] // block * size
+
 
 @dataclass(frozen=True)
 class Made:
@@ -121,19 +137,32 @@ def tensor_specs(shape: Shape, layer_type: Q, embed_type: Q) -> list[TensorSpec]
                   TensorSpec(f"blk.{i}.attn_k.weight", (kv_rows, shape.hidden), layer_type),
                   TensorSpec(f"blk.{i}.attn_v.weight", (kv_rows, shape.hidden), layer_type),
                   TensorSpec(f"blk.{i}.attn_output.weight", (shape.hidden, q_rows), layer_type)]
-        if shape.arch == "qwen3":
+        if shape.arch in ("qwen3", "qwen3moe"):
             specs += [_ones(f"blk.{i}.attn_q_norm.weight", shape.head_dim),
                       _ones(f"blk.{i}.attn_k_norm.weight", shape.head_dim)]
-        specs += [_ones(f"blk.{i}.ffn_norm.weight", shape.hidden),
-                  TensorSpec(f"blk.{i}.ffn_gate.weight", (shape.intermediate, shape.hidden), layer_type),
-                  TensorSpec(f"blk.{i}.ffn_up.weight", (shape.intermediate, shape.hidden), layer_type),
-                  TensorSpec(f"blk.{i}.ffn_down.weight", (shape.hidden, shape.intermediate), layer_type)]
+        specs += [_ones(f"blk.{i}.ffn_norm.weight", shape.hidden), *_feed_forward(shape, i, layer_type)]
     specs.append(_ones("output_norm.weight", shape.hidden))
     if not shape.tied:
         specs.append(TensorSpec("output.weight", (shape.vocab, shape.hidden), embed_type))
     if shape.llama3_rope_factor is not None:
         specs.append(_rope_freqs(shape))
     return specs
+
+
+def _feed_forward(shape: Shape, layer: int, layer_type: Q) -> list[TensorSpec]:
+    """A layer's feed-forward matrices: gate, up and down; for a mixture of experts, each stacked over the
+    experts (`ffn_*_exps`, [experts, rows, inputs]) beside the router, which llama.cpp keeps in float32."""
+    rows, hidden, prefix = shape.intermediate, shape.hidden, f"blk.{layer}"
+    if not shape.experts:
+        return [TensorSpec(f"{prefix}.ffn_gate.weight", (rows, hidden), layer_type),
+                TensorSpec(f"{prefix}.ffn_up.weight", (rows, hidden), layer_type),
+                TensorSpec(f"{prefix}.ffn_down.weight", (hidden, rows), layer_type)]
+    experts = shape.experts
+    router = np.random.default_rng(layer).normal(0, WEIGHT_STD, (experts, hidden)).astype(np.float32)
+    return [TensorSpec(f"{prefix}.ffn_gate_inp.weight", (experts, hidden), Q.F32, router),
+            TensorSpec(f"{prefix}.ffn_gate_exps.weight", (experts, rows, hidden), layer_type),
+            TensorSpec(f"{prefix}.ffn_up_exps.weight", (experts, rows, hidden), layer_type),
+            TensorSpec(f"{prefix}.ffn_down_exps.weight", (experts, hidden, rows), layer_type)]
 
 
 def _ones(name: str, size: int) -> TensorSpec:
@@ -210,6 +239,12 @@ def add_shape_metadata(writer: gguf.GGUFWriter, shape: Shape, name: str, layer_t
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_vocab_size(shape.vocab)
+    if shape.pooling is not None:
+        writer.add_pooling_type(shape.pooling)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.intermediate)
 
 
 def add_tokenizer(writer: gguf.GGUFWriter, default: gguf.GGUFReader, vocab: int) -> None:
@@ -242,7 +277,7 @@ def make_gguf(shape: Shape, out: str | Path, layer_type: Q = Q.Q4_1, seed: int =
     add_tokenizer(writer, default, shape.vocab)
     for spec in specs:
         element = np.float32 if spec.values is not None else np.uint8
-        byte_shape = spec.shape if spec.values is not None else (spec.shape[0], spec.nbytes // spec.shape[0])
+        byte_shape = spec.shape if spec.values is not None else (*spec.shape[:-1], spec.row_bytes)
         raw_type = None if spec.values is not None else spec.ggml_type
         writer.add_tensor_info(spec.name, byte_shape, np.dtype(element), spec.nbytes, raw_dtype=raw_type)
     writer.write_header_to_file()

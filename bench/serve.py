@@ -380,14 +380,15 @@ def gracelm_server(gguf: Path, log: Path, options: list[str] = (), env: dict[str
     return Server("gracelm", command, port, log, "/ready", env)
 
 
-def llama_server(binary: Path, gguf: Path, log: Path, threads: int) -> Server:
-    """llama.cpp's C++ server with continuous batching over 32 slots of 1,024 tokens each."""
+def llama_server(binary: Path, gguf: Path, log: Path, threads: int, options: list[str] = ()) -> Server:
+    """llama.cpp's C++ server with continuous batching over 32 slots of 1,024 tokens each; `options`: more
+    of its own (`--embeddings`)."""
     if not binary.exists():
         raise SystemExit(f"no llama-server at {binary}; run `bench/serve.py setup-llama-cpp` or give "
                          "--llama-server PATH")
     port = free_port()
     command = [str(binary), "-m", str(gguf), "-t", str(threads), "-np", "32", "-c", "32768", "-cb",
-               "--host", "127.0.0.1", "--port", str(port)]
+               "--host", "127.0.0.1", "--port", str(port), *options]
     return Server("llama-server", command, port, log, "/health")
 
 
