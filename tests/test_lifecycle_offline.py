@@ -119,6 +119,34 @@ def test_atexit_alone_stops_the_engine(model):
     assert _gone(core_pid)
 
 
+def test_a_failure_after_the_core_is_ready_stops_it_and_the_interpreter_exits(model):
+    """Something of the engine's own start failing once the core serves (here the tokenizer the core sent):
+    the error reaches the caller, the core is stopped, and the interpreter's exit does not wait for it."""
+    source = textwrap.dedent(f"""
+        import psutil
+        from gracelm import Engine
+        from gracelm.model.tokenizer import Tokenizer
+
+        def broken(data):
+            cores = [c.pid for c in psutil.Process().children() if "engine-core" in " ".join(c.cmdline())]
+            print("core", *cores, flush=True)
+            raise RuntimeError("a tokenizer that cannot be rebuilt")
+
+        Tokenizer.from_dict = broken
+        try:
+            Engine({model!r}, kv_cache_memory="1MiB", num_threads=1)
+        except RuntimeError as e:
+            print("raised:", e, flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "raised: a tokenizer that cannot be rebuilt" in proc.stdout, proc.stdout + proc.stderr
+    [core_pid] = [int(pid) for line in proc.stdout.splitlines() if line.startswith("core ")
+                  for pid in line.split()[1:]]
+    assert _gone(core_pid)
+    assert_nothing_left()
+
+
 def test_ctrl_c_inside_generate_raises_keyboard_interrupt_and_leaves_no_child(model):
     body = """
         try:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gracelm.config import EngineConfig, ModelConfig
+from gracelm.engine import messages as msg
 from gracelm.engine.core_client import EngineCoreClient
 from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.output_processor import OpenRequest, OutputProcessor
@@ -119,15 +120,12 @@ class EngineFrontend:
         # The embedding model's pooling (None when it generates), from its files: before any process starts.
         self.pooling = _embedding_pooling(config)
         self._client = EngineCoreClient(config, self._ledger)
-        ready = self._client.ready
-        # Built by the core, which reads the model's files; rebuilt here without transformers or torch.
-        self.tokenizer = Tokenizer.from_dict(ready.tokenizer)
-        self.config = dataclasses.replace(config, max_model_len=ready.max_model_len)
-        self.model_config = ModelConfig(**{**ready.model_config,
-                                           "eos_token_ids": tuple(ready.model_config["eos_token_ids"])})
-        self.model_name = ready.model_name
-        self.num_kv_blocks = ready.num_kv_blocks  # of `config.block_size` tokens each
-        self._processor = OutputProcessor(self.tokenizer)
+        try:
+            self._take_ready(config, self._client.ready)
+        except BaseException:
+            # Nothing would stop the running core: multiprocessing's exit would wait for it for ever.
+            _stop(self._client, config.shutdown_timeout, config.shutdown_report)
+            raise
         ref = weakref.ref(self)  # the monitor's thread must not keep the engine from garbage collection
         self._client.monitor.add_listener(lambda end: _call_if_alive(ref, end))
         # Stop the core when the engine is garbage-collected or, at the latest, at interpreter exit. The
@@ -137,6 +135,17 @@ class EngineFrontend:
                                            config.shutdown_report)
         self._finalizer.atexit = False
         atexit.register(self._finalizer)
+
+    def _take_ready(self, config: EngineConfig, ready: msg.Ready) -> None:
+        """What the core's Ready message says of the model it loaded."""
+        # Built by the core, which reads the model's files; rebuilt here without transformers or torch.
+        self.tokenizer = Tokenizer.from_dict(ready.tokenizer)
+        self.config = dataclasses.replace(config, max_model_len=ready.max_model_len)
+        self.model_config = ModelConfig(**{**ready.model_config,
+                                           "eos_token_ids": tuple(ready.model_config["eos_token_ids"])})
+        self.model_name = ready.model_name
+        self.num_kv_blocks = ready.num_kv_blocks  # of `config.block_size` tokens each
+        self._processor = OutputProcessor(self.tokenizer)
 
     @property
     def model_path(self) -> str:
