@@ -1,12 +1,14 @@
 """A model's tokenizer: encode, decode, chat template and stop tokens, over the `tokenizers` library alone.
 
-Built once where the model's files are read (`from_dir`, `from_gguf`: through transformers, so that ids
-are exactly those transformers gives for the same files), then carried as a plain dict (`to_dict`: the
-`tokenizers` serialization, the chat template, the special tokens) to wherever it is used: the engine
-core sends it to the frontend in its `Ready` message, and the frontend rebuilds it with `from_dict`
-without importing transformers or torch. Chat templates are rendered with jinja2 in a sandbox set up as
-transformers sets up its own (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, a `tojson`
-that does not escape HTML, `strftime_now`), so the prompts are the same.
+Built once where the model's files are read (`from_dir` through transformers; `from_gguf` from the file's
+metadata by `gguf_tokenizer`, which builds what transformers builds without importing it, or through
+transformers for the kinds it leaves to it), so that ids are exactly those transformers gives for the same
+files. Then carried as a plain dict (`to_dict`: the `tokenizers` serialization, the chat template, the
+special tokens) to wherever it is used: the engine core sends it to the frontend in its `Ready` message,
+and the frontend rebuilds it with `from_dict` without importing transformers or torch. Chat templates are
+rendered with jinja2 in a sandbox set up as transformers sets up its own (trim_blocks, lstrip_blocks, loop
+controls, `raise_exception`, a `tojson` that does not escape HTML, `strftime_now`), so the prompts are the
+same.
 
 The one thing it adds is `eos_token_ids`, the set of ids that end a generation.
 """
@@ -26,6 +28,7 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 
+from gracelm.model.gguf_tokenizer import build_gguf_tokenizer
 from gracelm.model.template_budget import TemplateBudget, bounded_environment
 
 # Rendered as an assistant message to find the token the chat template closes a turn with.
@@ -73,24 +76,25 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path, metadata: dict | None = None) -> Tokenizer:
         """The tokenizer stored in a GGUF file's metadata (vocabulary, merges, special tokens, chat template).
 
-        Built directly rather than through `AutoTokenizer.from_pretrained(dir, gguf_file=...)`, which gives
-        the same tokenizer but first parses the whole file a second time for the model config. `metadata`,
-        when the caller has already read the file, saves reading it again for the end-of-turn ids.
+        Built with the `tokenizers` library alone where `gguf_tokenizer` knows the file's kind (the same
+        tokenizer transformers builds, without importing it), else through transformers. `metadata`, when
+        the caller has already read the file, saves reading it again.
         """
-        from transformers import PreTrainedTokenizerFast
-
         from gracelm.model.gguf_reader import read_gguf
 
         path = Path(path).resolve()
         if metadata is None:
             metadata = read_gguf(path).metadata
-        try:
-            hf = PreTrainedTokenizerFast(name_or_path=str(path.parent), gguf_file=path.name,
-                                         local_files_only=True)
-        except (ValueError, KeyError) as e:  # a tokenizer kind transformers cannot build, or missing fields
-            raise ValueError(f"{path}: cannot build the tokenizer stored in this GGUF file: {e!r}") from e
         extra = (metadata.get(f"tokenizer.ggml.{key}") for key in ("eot_token_id", "eom_token_id"))
-        return cls._of_transformers(hf, path.stem, extra_eos_ids=[i for i in extra if i is not None])
+        extra_eos_ids = [i for i in extra if i is not None]
+        try:
+            built = build_gguf_tokenizer(metadata)
+            if built is None:
+                return cls._of_transformers(_gguf_through_transformers(path), path.stem, extra_eos_ids)
+        except (ValueError, KeyError, IndexError) as e:  # a kind nobody can build, or missing fields
+            raise ValueError(f"{path}: cannot build the tokenizer stored in this GGUF file: {e!r}") from e
+        return cls(built.backend, name=path.stem, chat_template=built.chat_template,
+                   special_tokens=built.special_tokens, extra_eos_ids=extra_eos_ids)
 
     @classmethod
     def _of_transformers(cls, hf: Any, name: str, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
@@ -197,6 +201,15 @@ class Tokenizer:
         specials = (t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
         matches = [token for token in specials if after.startswith(token)]
         return self.token_to_id(max(matches, key=len)) if matches else None
+
+
+def _gguf_through_transformers(path: Path) -> Any:
+    """transformers' own reading of the file's tokenizer, for the kinds `gguf_tokenizer` leaves to it.
+    Not `AutoTokenizer.from_pretrained(dir, gguf_file=...)`: that parses the whole file a second time for
+    the model config."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(name_or_path=str(path.parent), gguf_file=path.name, local_files_only=True)
 
 
 @functools.lru_cache(maxsize=8)

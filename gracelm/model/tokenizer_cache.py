@@ -1,6 +1,6 @@
-"""Converted tokenizers, kept on disk: building one goes through transformers (importing it alone takes
-seconds, and a GGUF vocabulary is converted on top), while its serialized form (`Tokenizer.to_dict`) loads
-with the `tokenizers` library in a fraction of that.
+"""Converted tokenizers, kept on disk: building one goes through transformers for a model directory
+(importing it alone takes seconds) and builds a GGUF file's vocabulary and merges into a BPE model, while
+its serialized form (`Tokenizer.to_dict`) loads with the `tokenizers` library in a fraction of that.
 
 An entry is `cache_dir("tokenizers")/<content hash>-v<FORMAT_VERSION>.json`, keyed by the model files'
 content hash (`file_hash.content_hash`), so a changed file never reuses an old entry. A hit imports no
