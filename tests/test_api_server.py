@@ -242,11 +242,13 @@ def test_stats_log_line(server, client):
 
 def test_default_model_speaks_english():
     """`gracelm serve` without a model serves SmolLM2-135M-Instruct; its answer is real English."""
+    # Not the bare question: its first token is a near tie ("The" or "L'Étoile...", 0.13 apart) that the
+    # 8-bit activations of the blocks kernel flip where no AMX unit serves prompts, as llama.cpp's do.
     with ServerProcess(None, "--stats-interval", "0") as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         r = client.chat.completions.create(
             model=client.models.list().data[0].id, temperature=0, max_tokens=16,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
         assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
         assert r.choices[0].finish_reason in ("stop", "length")
 

@@ -119,11 +119,16 @@ def test_core_dies_with_its_parent_even_on_sigkill(model):
         time.sleep(0.02)
 
 
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
 def test_default_model_chats_in_english_and_a_second_engine_works(model):
+    # Not the bare question: its first token is a near tie ("The" or "L'Étoile...", 0.13 apart) that the
+    # 8-bit activations of the blocks kernel flip where no AMX unit serves prompts, as llama.cpp's do.
     with Engine() as llm:
         core_pid = llm._client.process.pid
         runtime_dir = llm.runtime_dir
-        [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+        [out] = llm.chat([{"role": "user", "content": QUESTION}],
                          SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
     assert "Paris" in out.outputs[0].text
     assert not psutil.pid_exists(core_pid) or psutil.Process(core_pid).status() == psutil.STATUS_ZOMBIE
