@@ -22,7 +22,8 @@ from tests.test_gguf import run_prefill
 
 # Each model's parameter count as its safetensors weights total it: a mistyped width or count shows here.
 PUBLISHED_PARAMETERS = {"llama-3.2-1b": 1_235_814_400, "smollm2-1.7b": 1_711_376_384,
-                        "qwen3-4b": 4_022_468_096, "llama-3.1-8b": 8_030_261_248}
+                        "qwen3-4b": 4_022_468_096, "llama-3.1-8b": 8_030_261_248,
+                        "qwen3-embedding-0.6b": 595_776_512, "qwen3-30b-a3b": 30_532_122_624}
 DEFAULT_TOKENS = 49_152
 TEXT = "Hello, world! The quick brown fox jumps over the lazy dog. <|im_start|>user\nÇa va? 12345"
 
