@@ -11,14 +11,32 @@ from gracelm.options import at_least, option, validate
 
 # Hugging Face architecture name -> the family features it needs. Anything else is refused by name.
 # `fused_projections`: the checkpoint stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
-# (`model/fused_weights.py` splits them at load). The README's table of families is written from this one
-# (`model/family_table.py`).
+# (`model/fused_weights.py` splits them at load). `gemma_layer`, `logit_softcapping` and `sliding_layers`:
+# Gemma's decoder (`model/gemma.py`, its config `model/gemma_config.py`). The README's table of families is
+# written from this one (`model/family_table.py`).
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"attention_bias": False, "qk_norm": False, "fused_projections": False},
     "MistralForCausalLM": {"attention_bias": False, "qk_norm": False, "fused_projections": False},
     "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False, "fused_projections": False},
     "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True, "fused_projections": False},
     "Phi3ForCausalLM": {"attention_bias": False, "qk_norm": False, "fused_projections": True},
+    # Mixture-of-experts families (`model/moe.py`); OLMoE's q/k norms span the whole projection.
+    "MixtralForCausalLM": {"attention_bias": False, "qk_norm": False, "fused_projections": False,
+                           "experts": True},
+    "Qwen2MoeForCausalLM": {"attention_bias": True, "qk_norm": False, "fused_projections": False,
+                            "experts": True, "shared_expert": True},
+    "Qwen3MoeForCausalLM": {"attention_bias": False, "qk_norm": True, "fused_projections": False,
+                            "experts": True},
+    "OlmoeForCausalLM": {"attention_bias": False, "qk_norm": True, "fused_projections": False,
+                         "experts": True, "qk_norm_per_projection": True},
+    "Gemma2ForCausalLM": {"attention_bias": False, "qk_norm": False, "fused_projections": False,
+                          "gemma_layer": True, "logit_softcapping": True, "sliding_layers": True},
+    "Gemma3ForCausalLM": {"attention_bias": False, "qk_norm": True, "fused_projections": False,
+                          "gemma_layer": True, "sliding_layers": True},
+}
+# Architectures known and refused, with what of theirs the engine cannot honour.
+REFUSED_ARCHITECTURES = {
+    "GptOssForCausalLM": "gpt-oss: its attention sinks and its MXFP4 expert weights are not supported",
 }
 
 
@@ -26,6 +44,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
 # the logits head); BERT-like encoders (nomic, bge, e5) are refused by name: gracelm attends causally only.
 EMBEDDING_ARCHITECTURES = {arch.removesuffix("ForCausalLM") + "Model": arch
                            for arch in SUPPORTED_ARCHITECTURES}
+# Gemma 3's decoder alone is `Gemma3TextModel`: its `Gemma3Model` is the multimodal one, refused by name.
+EMBEDDING_ARCHITECTURES["Gemma3TextModel"] = EMBEDDING_ARCHITECTURES.pop("Gemma3Model")
 _ENCODERS = ("Bert", "NomicBert", "XLMRoberta", "Roberta", "ModernBert", "NewModel", "GteModel")
 
 
@@ -57,6 +77,28 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     rotary_dim: int | None = None  # the leading dims of each head that rope rotates (None: all of them)
     sliding_window: int | None = None  # each token attends to this many tokens at most (None: all)
+    # Gemma (`model/gemma_config.py`): which layers the window applies to (None: every layer, which the
+    # attention does not apply, so it bounds the context), the scores' scale (query_pre_attn_scalar ** -0.5;
+    # None: head_dim's), the tanh soft caps of the scores and of the logits, the sliding layers' rope theta.
+    sliding_layers: tuple[bool, ...] | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_theta: float | None = None
+    qk_norm_per_head: bool = True  # q/k norms over each head; else over the whole projection (OLMoE)
+    # Mixture of experts (`model/moe.py`): experts per sparse MLP (0: every MLP dense), those each token is
+    # routed to, each expert's width, the shared expert's (0: none), whether the top-k routing weights are
+    # renormalised to sum to 1, and the layers whose MLP stays dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
+
+    def sparse_layer(self, index: int) -> bool:
+        """Whether layer `index` has a mixture of experts for its MLP."""
+        return self.num_experts > 0 and index not in self.dense_layers
 
     @property
     def rotary_width(self) -> int:
@@ -68,7 +110,7 @@ class ModelConfig:
         sequence to the long factors, keys already cached included), the paged attention would compute
         something else: those lengths are refused, never approximated."""
         limits = [(self.max_position_embeddings, "max_position_embeddings")]
-        if self.sliding_window is not None:
+        if self.sliding_window is not None and self.sliding_layers is None:
             limits.append((self.sliding_window, "its sliding window (sliding_window), which gracelm's "
                                                 "attention does not apply"))
         if rope_type(self.rope_scaling) == "longrope":
@@ -79,7 +121,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Builds the config from a Hugging Face `config.json` dictionary."""
+        """Builds the config from a Hugging Face `config.json` dictionary; a Gemma's own fields are added by
+        the model's reader (`model/model_files.read_hf_config`, `model/gemma_config.py`)."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else f"<none; model_type={hf.get('model_type')!r}>"
         arch = EMBEDDING_ARCHITECTURES.get(arch, arch)
@@ -88,6 +131,8 @@ class ModelConfig:
                 f"{arch} is a BERT-family encoder (as nomic, bge and e5 embedding models are): gracelm "
                 f"serves decoder embedding models (Qwen3-Embedding) only"
             )
+        if arch in REFUSED_ARCHITECTURES:
+            raise UnsupportedModelError(f"unsupported architecture {arch}: {REFUSED_ARCHITECTURES[arch]}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -110,7 +155,7 @@ class ModelConfig:
             rope_theta=hf.get("rope_theta", 10000.0),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=features["attention_bias"] or bool(hf.get("attention_bias", False)),
+            attention_bias=bool(hf.get("qkv_bias", features["attention_bias"]) or hf.get("attention_bias")),
             qk_norm=features["qk_norm"],
             rope_scaling=_rope_scaling(hf),
             hidden_act=hf.get("hidden_act", "silu"),
@@ -118,7 +163,25 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             rotary_dim=_rotary_dim(hf, head_dim),
             sliding_window=(hf.get("sliding_window") or None) if hf.get("use_sliding_window", True) else None,
+            qk_norm_per_head=not features.get("qk_norm_per_projection", False),
+            **(_experts(hf, arch) if features.get("experts") else {}),
         )
+
+
+def _experts(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A mixture-of-experts config's fields (Mixtral names its expert count `num_local_experts`), its
+    features the engine cannot honour refused by name."""
+    if hf.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{arch}: clip_qkv (q/k/v clamped) is not supported")
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    dense = tuple(i for i in range(layers) if i in hf.get("mlp_only_layers", []) or (i + 1) % step)
+    return {"num_experts": hf.get("num_local_experts") or hf["num_experts"],
+            "num_experts_per_tok": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf.get("moe_intermediate_size") or hf["intermediate_size"],
+            "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 0),
+            # Mixtral's softmax over the top-k logits is the top-k probabilities renormalised.
+            "norm_topk_prob": hf.get("norm_topk_prob", arch == "MixtralForCausalLM"),
+            "dense_layers": dense}
 
 
 def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:

@@ -58,6 +58,12 @@ def _hf_classes(arch: str) -> tuple[type, type]:
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     }
     if arch not in names:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {', '.join(names)}")

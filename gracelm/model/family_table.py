@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from gracelm.config import EMBEDDING_ARCHITECTURES, SUPPORTED_ARCHITECTURES
-from gracelm.model.gguf_config import GGUF_ARCHITECTURES
+from gracelm.model.gguf_config import GGUF_ARCHITECTURES, LLAMA_WITH_EXPERTS
 from gracelm.model.rope import SUPPORTED_ROPE_TYPES
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -18,7 +18,16 @@ START = "<!-- model families: written by `python -m gracelm.model.family_table` 
 END = "<!-- end of model families -->"
 # What each feature flag of `SUPPORTED_ARCHITECTURES` means to a reader.
 _FEATURES = {"attention_bias": "q/k/v biases", "qk_norm": "q and k RMS norms",
-             "fused_projections": "fused `qkv_proj` and `gate_up_proj` (GGUF: `attn_qkv`, gate+up `ffn_up`)"}
+             "fused_projections": "fused `qkv_proj` and `gate_up_proj` (GGUF: `attn_qkv`, gate+up `ffn_up`)",
+             "experts": "mixture of experts, top-k routing (GGUF: `ffn_*_exps`)",
+             "shared_expert": "a shared expert with its sigmoid gate (GGUF: `ffn_*_shexp`)",
+             "qk_norm_per_projection": "the q and k norms over the whole projection",
+             "gemma_layer": "Gemma's layer: (1 + weight) RMS norms before and after attention and MLP, "
+                            "embeddings times sqrt(hidden), GeLU-tanh MLP, `query_pre_attn_scalar`, logits "
+                            "soft-capped where set",
+             "logit_softcapping": "attention scores soft-capped",
+             "sliding_layers": "sliding-window layers between global ones, each applied (Gemma 3: their own "
+                               "rope theta)"}
 
 
 def family_table() -> str:
@@ -27,14 +36,17 @@ def family_table() -> str:
     rows = ["| architecture | GGUF `general.architecture` | its own features | tasks |", "|---|---|---|---|"]
     for arch, flags in SUPPORTED_ARCHITECTURES.items():
         gguf = ", ".join(f"`{name}`" for name, hf in GGUF_ARCHITECTURES.items() if hf == arch) or "none"
+        if arch == LLAMA_WITH_EXPERTS:
+            gguf = "`llama` with `llama.expert_count`"
         features = "; ".join(_FEATURES[flag] for flag, on in flags.items() if on) or "none"
-        tasks = f"generate; embed (`{embedding[arch]}` or sentence-transformers' files, safetensors)"
+        tasks = (f"generate; embed (`{embedding[arch]}` or sentence-transformers' files; a GGUF file's "
+                 "`pooling_type`)")
         rows.append(f"| `{arch}` | {gguf} | {features} | {tasks} |")
     ropes = ", ".join(f"`{kind}`" for kind in SUPPORTED_ROPE_TYPES)
     rows += ["", f"Every family: rope scaling {ropes} (LongRoPE within its original context), "
-                 "partial rotary; the context ends where a sliding window or LongRoPE's original context "
-                 "does (a longer `--max-model-len` is refused at start). Any other architecture, or feature, "
-                 "is refused at start (exit 3) naming it."]
+                 "partial rotary; the context ends where a sliding window over every layer or LongRoPE's "
+                 "original context does (a longer `--max-model-len` is refused at start). Any other "
+                 "architecture, or feature, is refused at start (exit 3) naming it."]
     return "\n".join(rows)
 
 

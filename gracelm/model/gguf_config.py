@@ -4,13 +4,17 @@ Face's. Imports no torch (the one table it checks is compared with numpy), so th
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from gguf.quants import dequantize
 
-from gracelm.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from gracelm.config import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from gracelm.model.gemma_config import GGUF_ARCHITECTURES as GEMMA_GGUF_ARCHITECTURES
+from gracelm.model.gemma_config import gguf_fields as gemma_gguf_fields
 from gracelm.model.gguf_reader import GGUFFile
 
 # GGUF `general.architecture` -> Hugging Face architecture. llama.cpp writes Mistral models as "llama".
@@ -20,7 +24,19 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    **GEMMA_GGUF_ARCHITECTURES,
 }
+# llama.cpp writes Mixtral as "llama", with experts (`llama.expert_count`).
+LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
+# Known and refused, with what of theirs the engine cannot honour.
+REFUSED_GGUF_ARCHITECTURES = {"gpt-oss": REFUSED_ARCHITECTURES["GptOssForCausalLM"]}
+# Whether llama.cpp renormalises the top-k routing weights of a family whose file does not say
+# (`{arch}.expert_weights_norm`), as transformers' configs of these families do; Mixtral is written as
+# "llama".
+_EXPERT_WEIGHTS_NORM = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 # llama.cpp's table of Llama 3 rope scaling factors, and LongRoPE's two tables of factors (Phi-3 and Phi-4):
 # not weights, folded into the config instead.
 ROPE_FREQS = "rope_freqs.weight"
@@ -33,12 +49,17 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     md = gguf.metadata
     gguf_arch = md.get("general.architecture")
     arch = GGUF_ARCHITECTURES.get(gguf_arch)
+    if gguf_arch in REFUSED_GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"{gguf.path}: unsupported GGUF architecture {gguf_arch!r}: "
+                                    f"{REFUSED_GGUF_ARCHITECTURES[gguf_arch]}")
     if arch is None:
         supported = ", ".join(f"{g} ({hf})" for g, hf in GGUF_ARCHITECTURES.items())
         raise UnsupportedModelError(
             f"{gguf.path}: unsupported GGUF architecture {gguf_arch!r}; supported: {supported}"
         )
-    if gguf_arch == "llama" and "mistral" in str(md.get("general.name", "")).lower():
+    if gguf_arch == "llama" and md.get("llama.expert_count", 0) > 0:
+        arch = LLAMA_WITH_EXPERTS
+    elif gguf_arch == "llama" and "mistral" in str(md.get("general.name", "")).lower():
         arch = "MistralForCausalLM"
 
     def key(name: str, default: Any = None) -> Any:
@@ -55,7 +76,7 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
     if embed is None:
         raise ValueError(f"{gguf.path}: GGUF file has no token_embd.weight tensor")
     eos = md.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=embed.shape[0],
         hidden_size=hidden,
@@ -75,7 +96,21 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         eos_token_ids=() if eos is None else (eos,),
         rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         sliding_window=key("attention.sliding_window", 0) or None,  # llama.cpp writes 0 for none
+        qk_norm_per_head=not SUPPORTED_ARCHITECTURES[arch].get("qk_norm_per_projection", False),
+        **(_experts(key, gguf_arch) if SUPPORTED_ARCHITECTURES[arch].get("experts") else {}),
     )
+    if gguf_arch not in GEMMA_GGUF_ARCHITECTURES:
+        return config
+    gemma = gemma_gguf_fields(md, gguf_arch, hidden, heads, head_dim, config.num_hidden_layers)
+    return dataclasses.replace(config, **gemma)
+
+
+def _experts(key: Callable[..., Any], gguf_arch: str) -> dict[str, Any]:
+    """A mixture of experts' shape, as llama.cpp's converter writes it: every layer sparse."""
+    return {"num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+            "moe_intermediate_size": key("expert_feed_forward_length", key("feed_forward_length")),
+            "shared_expert_intermediate_size": key("expert_shared_feed_forward_length", 0),
+            "norm_topk_prob": bool(key("expert_weights_norm", _EXPERT_WEIGHTS_NORM[gguf_arch]))}
 
 
 def _rope_scaling(gguf: GGUFFile, gguf_arch: str, default_head_dim: int) -> dict[str, Any] | None:

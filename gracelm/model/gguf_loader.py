@@ -14,9 +14,11 @@ from gguf.quants import dequantize
 
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.block_linear import TILE
+from gracelm.model.expert_weights import gguf_expert_part, gguf_expert_stacks, split_gguf_experts
 from gracelm.model.file_embedding import FileEmbedding
 from gracelm.model.file_hash import content_hash
 from gracelm.model.fused_weights import split_gguf
+from gracelm.model.gemma_config import GGUF_ARCHITECTURES as GEMMA_GGUF_ARCHITECTURES
 from gracelm.model.gguf_config import NOT_WEIGHTS, gguf_model_config
 from gracelm.model.gguf_int4 import INT4_TYPES
 from gracelm.model.gguf_reader import GGUFFile, GGUFTensorInfo, read_gguf
@@ -52,11 +54,22 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures of experts (`model/moe.py`): the router, Qwen2-MoE's shared expert and its gate; the experts'
+    # own entries are split from their stacks (`expert_weights.py`).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-# The matrices the model stacks by rows (`llama.FrozenLinear`), in order; all but the last of each are
-# stacked with others after them, so their rows must be whole tiles.
-_STACKS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
-_STACKED_BEFORE_OTHERS = tuple(name for stack in _STACKS for name in stack[:-1])
+# The matrices the model stacks by rows (`llama.FrozenLinear`), in order, beside each expert's gate and up
+# (`_stacks`); all but the last of each are stacked with others after them, so their rows must be whole tiles.
+_STACKS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_shexp", "ffn_up_shexp"))
+# Gemma's norms (`gemma.py`): `ffn_norm` is the one before the MLP, two more follow the attention and the MLP.
+# llama.cpp's converter stores each norm's 1 + weight, which the model adds itself.
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                        "post_attention_norm": "post_attention_layernorm",
+                        "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -77,7 +90,7 @@ def open_gguf(path: str | Path) -> GGUFModel:
     gguf = read_gguf(path)
     config = gguf_model_config(gguf)
     _check_tensor_types(gguf)
-    gguf = split_gguf(gguf, config)
+    gguf = split_gguf_experts(split_gguf(gguf, config), config)
     names = {name: _hf_name(gguf, name) for name in gguf.tensors if name not in NOT_WEIGHTS}
     mark("read")
     model_hash = content_hash(path)
@@ -117,9 +130,10 @@ class GGUFModel:
     def unstackable_blocks(self) -> str | None:
         """Why the blocks kernel cannot serve every `int4_matrices` entry (q, k and v are stacked, and gate
         and up: every part but the last must be whole tiles of outputs), or None."""
+        stacked_before_others = {kind for stack in _stacks(self.config) for kind in stack[:-1]}
         for gguf_name in self.int4_matrices():
             rows = self.gguf.tensors[gguf_name].shape[0]
-            if gguf_name.split(".")[-2] in _STACKED_BEFORE_OTHERS and rows % TILE:
+            if gguf_name.split(".")[-2] in stacked_before_others and rows % TILE:
                 return f"{gguf_name} has {rows} rows, not whole tiles of {TILE}, which stacked matrices need"
         return None
 
@@ -164,7 +178,7 @@ class GGUFModel:
             if match and hf_name in infos:
                 layer_parts[match.group(1), match.group(2)] = hf_name
         for layer in sorted({layer for layer, _ in layer_parts}, key=int):
-            for stack in _STACKS:
+            for stack in _stacks(self.config):
                 names = [layer_parts.get((layer, kind)) for kind in stack]
                 if None in names or len({(infos[n].ggml_type, infos[n].shape[1]) for n in names}) > 1:
                     continue
@@ -179,9 +193,12 @@ def _converted(model: GGUFModel, dtype: torch.dtype, names: dict[str, str]) -> d
     `dtype`, under their HF names."""
     gguf = model.gguf
     rotary_heads = _rotary_permuted_heads(gguf, model.config)
+    gemma = _is_gemma(gguf)
     weights = {}
     for gguf_name, hf_name in load_progress(names.items(), len(names), "converting weights"):
         weight = _dequantized(gguf, gguf.tensors[gguf_name])
+        if gemma and hf_name.endswith("norm.weight"):
+            weight = weight - 1.0  # stored as 1 + weight (see `_GEMMA_LAYER_TENSORS`); exact in float32
         weights[hf_name] = _in_hf_row_order(gguf_name, weight, rotary_heads).to(dtype)
     return weights
 
@@ -206,6 +223,10 @@ def _converted_forms(model: GGUFModel, entries: dict[str, list[str]], form: type
     return tensors
 
 
+def _stacks(config: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    return _STACKS + gguf_expert_stacks(config)
+
+
 def _check_tensor_types(gguf: GGUFFile) -> None:
     for info in gguf.tensors.values():
         if info.ggml_type not in SUPPORTED_TENSOR_TYPES:
@@ -220,10 +241,15 @@ def _hf_name(gguf: GGUFFile, name: str) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     m = _LAYER_TENSOR_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_TENSORS:
+    parts = _GEMMA_LAYER_TENSORS if _is_gemma(gguf) else _LAYER_TENSORS
+    part = None if m is None else parts.get(m.group(2)) or gguf_expert_part(m.group(2))
+    if part is None:
         raise UnsupportedModelError(f"{gguf.path}: unexpected tensor {name} for a Llama-family model")
-    layer, part, kind = m.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+    return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+
+
+def _is_gemma(gguf: GGUFFile) -> bool:
+    return gguf.metadata.get("general.architecture") in GEMMA_GGUF_ARCHITECTURES
 
 
 def _dequantized(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3/4) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3/4; with mixtures of experts, `moe.py`:
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) over a paged KV cache.
 
 Parameter names equal Hugging Face's, so a HF state dict loads as it is. A plain module: it knows nothing of
 serving, scheduling or parallelism; head counts are read from the projections' outputs at run time, so a
@@ -13,6 +14,7 @@ parts' row counts (`output_sizes`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -23,10 +25,11 @@ from torch import nn
 
 import gracelm.cpu_features as cpu_features
 from gracelm.config import ModelConfig, UnsupportedModelError
-from gracelm.model.attention import AttentionMetadata, paged_attention
+from gracelm.model.attention import AttentionMetadata, LayerAttention, paged_attention
 from gracelm.model.decode_graph import DecodeGraph
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.low_bit_gate import SHORT_PROMPT, Int4Gate
+from gracelm.model.moe import GRAPH_REFUSAL, SparseMoeBlock
 from gracelm.model.quantized_linear import (
     INT4_MAX_ROWS,
     KERNEL_DTYPE,
@@ -240,10 +243,15 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * head_dim, hidden, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            # Over each head, or (OLMoE) over the whole projection.
+            q_width, k_width = ((head_dim, head_dim) if config.qk_norm_per_head
+                                else (self.q_proj.out_features, self.k_proj.out_features))
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.qk_norm_per_head = config.qk_norm_per_head
         self.qkv_proj: FrozenLinear | None = None
+        self.attention: LayerAttention | None = None  # how it attends (None: Llama's, `paged_attention`)
 
     def fuse_qkv(self, int4: Int4Choice | None = None) -> None:
         self.qkv_proj = FrozenLinear.of([self.q_proj, self.k_proj, self.v_proj], int4)
@@ -264,11 +272,13 @@ class LlamaAttention(nn.Module):
                 q, k, v = self.qkv_proj.split(x)
             else:
                 q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if self.qk_norm and not self.qk_norm_per_head:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k, v = (t.view(x.shape[0], -1, self.head_dim) for t in (q, k, v))
-            if self.qk_norm:
+            if self.qk_norm and self.qk_norm_per_head:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(paged_attention(q, k, v, kv_cache, meta))
+        return self.o_proj(paged_attention(q, k, v, kv_cache, meta, self.attention))
 
     def _fused_qkv_with_rope(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -285,11 +295,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: the width of an expert's MLP (`moe.py`); the config's by default."""
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.gate_up_proj: FrozenLinear | None = None
 
     def fuse_gate_up(self, int4: Int4Choice | None = None) -> None:
@@ -305,10 +317,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.mlp = (SparseMoeBlock(config, functools.partial(LlamaMLP, config)) if config.sparse_layer(index)
+                    else LlamaMLP(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -332,7 +345,7 @@ class LlamaModel(nn.Module):
         # s of the start); the loaded weight replaces it anyway.
         weight = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Not a weight: recomputed from the config (on CPU even under a `meta` device context).
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
@@ -343,6 +356,13 @@ class LlamaModel(nn.Module):
         self.decode_graph_failure: str | None = None  # why the graphs were dropped, if they were
         self.compiled_steps = 0  # steps a graph ran
         self.decode_attention = "auto"  # `--decode-attention` (`config.DECODE_ATTENTION_CHOICES`)
+        # Why compiled decode steps cannot serve this decoder (None: they can), for the log.
+        self.graph_refusal: str | None = GRAPH_REFUSAL if config.num_experts else None
+
+    @staticmethod
+    def decoder_layer(config: ModelConfig, index: int) -> nn.Module:
+        """Layer `index` of the decoder (a family's own decoder overrides it: `gemma.py`)."""
+        return LlamaDecoderLayer(config, index)
 
     def freeze(self, int4: Int4Choice | None = None) -> None:
         """Fuses q/k/v and gate/up and freezes every linear (`FrozenLinear`), with the 4-bit forms `int4`
@@ -352,6 +372,9 @@ class LlamaModel(nn.Module):
             layer.self_attn.fuse_qkv(int4)
             layer.mlp.fuse_gate_up(int4)
             freeze_linears(layer, int4)
+            if int4 is not None and isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.share_gate(int4.gate, [m for m in layer.mlp.experts.modules()
+                                                 if isinstance(m, FrozenLinear)])
         self.int4_gate = None if int4 is None else int4.gate
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -410,16 +433,19 @@ class LlamaForCausalLM(nn.Module):
     """With tied embeddings there is no `lm_head` module: the logits reuse `model.embed_tokens.weight`,
     so the state dict has exactly the keys a tied HF checkpoint has. Without `head` (an embedding model,
     whose final hidden states are pooled: `model/pooling.py`) there are no logits at all: only `model`
-    runs."""
+    runs. A family's own decoder (`decoder`, `activations`) subclasses it: `gemma.py`."""
+
+    decoder: type[LlamaModel] = LlamaModel
+    activations: tuple[str, ...] = SUPPORTED_ACTIVATIONS
 
     def __init__(self, config: ModelConfig, head: bool = True) -> None:
         super().__init__()
-        if config.hidden_act not in SUPPORTED_ACTIVATIONS:
+        if config.hidden_act not in self.activations:
             raise UnsupportedModelError(
-                f"unsupported activation {config.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+                f"unsupported activation {config.hidden_act!r}; supported: {', '.join(self.activations)}"
             )
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.decoder(config)
         self.head = head
         if head and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

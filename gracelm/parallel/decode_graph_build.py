@@ -45,6 +45,10 @@ def graph_applies(config: EngineConfig, loaded: LoadedModel, world_size: int) ->
     """The graph is traced through the int4 kernels of one rank on the CPU, in the default computation (a
     model with int4 forms runs in bfloat16, or in float32 where bfloat16 is emulated)."""
     gate = loaded.model.model.int4_gate
+    if loaded.model.model.graph_refusal is not None and not config.enforce_eager:
+        logger.info("decode graph: not for %s: %s; decode steps run eagerly", loaded.config.architecture,
+                    loaded.model.model.graph_refusal)
+        return False
     return (not config.enforce_eager and not config.deterministic and world_size == 1
             and loaded.device.type == "cpu" and gate is not None and gate.bound(False) >= 1)
 

@@ -44,7 +44,12 @@ class ShardingError(ValueError):
 
 
 def check_shardable(config: ModelConfig, world_size: int) -> None:
-    """Raises `ShardingError` naming every dimension that does not divide by `world_size`."""
+    """Raises `ShardingError` naming every dimension that does not divide by `world_size`, or a mixture of
+    experts (its experts are not split across ranks)."""
+    if config.num_experts:
+        raise ShardingError(f"tensor_parallel_size={world_size}: {config.architecture} is a "
+                            f"mixture-of-experts model, which gracelm does not split across ranks; serve it "
+                            f"with tensor_parallel_size 1")
     dims = {"num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_key_value_heads,
             "intermediate_size": config.intermediate_size}

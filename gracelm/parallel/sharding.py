@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gracelm.arith import cdiv
+from gracelm.model.attention import soft_cap
 from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.llama import FrozenLinear, LlamaForCausalLM
@@ -77,6 +78,7 @@ class TensorParallelModel(nn.Module):
         check_shardable(model.config, world_size)
         self.rank, self.world_size = rank, world_size
         self.vocab_size = model.config.vocab_size
+        self.logit_softcap = model.config.final_logit_softcapping  # Gemma's (`gemma.py`), elementwise
         self.timer = CommTimer()
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -103,6 +105,8 @@ class TensorParallelModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
         hidden = self.model(batch, kv_caches)
         logits = self.head(hidden).float()
+        if self.logit_softcap is not None:
+            logits = soft_cap(logits, self.logit_softcap)
         gathered = [torch.empty_like(logits) for _ in range(self.world_size)] if self.rank == 0 else None
         started = time.perf_counter()
         dist.gather(logits, gathered, dst=0)
