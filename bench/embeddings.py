@@ -5,11 +5,13 @@
 
 Each server in turn (never both at once: they would share the two cores), the order swapped every repeat:
 started, warmed by a few requests, then loaded by `--concurrency` clients that send `--requests` requests to
-`/v1/embeddings`, each of `--inputs-per-request` texts of mixed lengths (fixed seed, the same texts for
-both). Reports embeddings/s, prompt tokens/s (each server's own `usage` count) and the request latency's
-median, then gracelm / llama-server ratios per repeat and their median. The file's `pooling_type` tells
-both servers how to pool (`bench/model_shapes.py` writes Qwen3-Embedding's, the last token); both
-normalise. llama-server embeds an input in one physical batch, so inputs stay under its 512 tokens.
+`/v1/embeddings`, each of `--inputs-per-request` texts of mixed lengths (fixed seeds, the same texts for
+both; new texts for each level, so that no prefix cache answers). Reports embeddings/s, prompt tokens/s
+(each server's own `usage` count) and the request latency's median, then gracelm / llama-server ratios per
+repeat and their median. The file's `pooling_type` tells both servers how to pool (`bench/model_shapes.py`
+writes Qwen3-Embedding's, the last token); both
+normalise. llama-server embeds an input in one physical batch, so inputs stay under its 512 tokens; its
+slots and context are the serving comparison's (`-np 32 -c 32768`) unless `--llama-args` says otherwise.
 """
 
 from __future__ import annotations
@@ -49,13 +51,19 @@ async def one_request(session: aiohttp.ClientSession, url: str, texts: list[str]
     return time.perf_counter() - start, body["usage"]["prompt_tokens"]
 
 
-async def load(base_url: str, batches: list[list[str]], concurrency: int) -> dict:
-    """`batches` sent by `concurrency` clients, each taking the next batch as it finishes one."""
+def make_batches(requests: int, per_request: int, seed: int) -> list[list[str]]:
+    texts = make_texts(requests * per_request, seed)
+    return [texts[i : i + per_request] for i in range(0, len(texts), per_request)]
+
+
+async def load(base_url: str, warm_up: list[list[str]], batches: list[list[str]], concurrency: int) -> dict:
+    """`batches` sent by `concurrency` clients, each taking the next batch as it finishes one, after the
+    `warm_up` batches (each server's first requests pay for lazy work)."""
     url = f"{base_url}/v1/embeddings"
     queue = list(reversed(batches))
     results: list[tuple[float, int]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        for batch in batches[:2]:  # warm-up: each server's first requests pay for lazy work
+        for batch in warm_up:
             await one_request(session, url, batch)
 
         async def client() -> None:
@@ -82,14 +90,18 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--llama-server", default=str(LLAMA_DIR / "build" / "bin" / "llama-server"))
     parser.add_argument("--gracelm-args", default="", help="more options of `gracelm serve`")
+    parser.add_argument("--llama-args", default="",
+                        help="more options of llama-server, after (so over) its -np 32 -c 32768")
     args = parser.parse_args()
     gguf, logs = Path(args.gguf), Path(tempfile.mkdtemp(prefix="gracelm-bench-embed-"))
-    texts = make_texts(args.requests * args.inputs_per_request, seed=0)
-    batches = [texts[i : i + args.inputs_per_request] for i in range(0, len(texts), args.inputs_per_request)]
+    # Texts of their own for the warm-up and for each level, so that no server answers from a cache.
+    warm_up = make_batches(2, args.inputs_per_request, seed=0)
+    levels = {c: make_batches(args.requests, args.inputs_per_request, seed=1 + i)
+              for i, c in enumerate(args.concurrency)}
     options = ["--task", "embed", "--served-model-name", "bench", *args.gracelm_args.split()]
     starters = {"gracelm": lambda log: gracelm_server(gguf, log, options),
                 "llama-server": lambda log: llama_server(Path(args.llama_server), gguf, log, args.threads,
-                                                         ["--embeddings"])}
+                                                         ["--embeddings", *args.llama_args.split()])}
     ratios: dict[int, list[float]] = {c: [] for c in args.concurrency}
     print(f"server logs in {logs}")
     for repeat in range(args.repeats):
@@ -98,7 +110,8 @@ def main() -> int:
             server = starters[label](logs / f"{label}-{repeat}.log")
             try:
                 server.wait_ready()
-                rows[label] = [uvloop.run(load(server.base_url, batches, c)) for c in args.concurrency]
+                rows[label] = [uvloop.run(load(server.base_url, warm_up, levels[c], c))
+                               for c in args.concurrency]
             finally:
                 server.stop()
             for row in rows[label]:
