@@ -24,7 +24,7 @@ from gracelm.model.loader import load_model
 from gracelm.model.model_files import config_from_hf
 from tests.server_process import ServerProcess
 from tests.test_gguf import VOCAB as GGUF_VOCAB
-from tests.test_gguf import write_gguf
+from tests.test_gguf import gguf_name, write_gguf
 from tests.test_model_parity import PagedRunner, assert_matches, random_tokens, reference_logits
 from tests.tiny_models import tiny_model
 
@@ -133,15 +133,6 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_name(hf: str) -> str:
-    if hf == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf == "model.norm.weight":
-        return "output_norm.weight"
-    _, _, layer, *rest = hf.split(".")
-    return f"blk.{layer}.{_GGUF_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
-
-
 def gguf_and_reference(directory: Path, arch: str, qtype: Q, layers: int) -> tuple[Path, torch.nn.Module]:
     """A tiny transformers Gemma and its GGUF file in llama.cpp's converter's layout, whose quantized
     matrices the transformers model takes back dequantized (so both compute the same function)."""
@@ -166,7 +157,7 @@ def gguf_and_reference(directory: Path, arch: str, qtype: Q, layers: int) -> tup
             elif qtype != Q.F32:
                 blocks = gguf.quants.quantize(value, qtype)
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
-            tensors[_gguf_name(name)] = value.copy()
+            tensors[gguf_name(name, _GGUF_NAMES)] = value.copy()
     metadata = {"block_count": layers, "embedding_length": 64, "feed_forward_length": 128, "key_length": 16,
                 "value_length": 16, "rope_dimension_count": 16, "layer_norm_rms_eps": 1e-6,
                 "sliding_window": WINDOW}

@@ -81,7 +81,9 @@ def llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, layer_names: dict[str, str] | None = None) -> str:
+    """llama.cpp's name of a Hugging Face tensor, its layers' parts named by `layer_names` (the Llama
+    family's by default)."""
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -89,7 +91,7 @@ def gguf_name(hf: str) -> str:
     if hf == "lm_head.weight":
         return "output.weight"
     _, _, layer, *rest = hf.split(".")
-    return f"blk.{layer}.{_HF_TO_GGUF['.'.join(rest[:-1])]}.{rest[-1]}"
+    return f"blk.{layer}.{(layer_names or _HF_TO_GGUF)['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
 def gguf_layout(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
