@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from gracelm.config import EngineConfig, ModelConfig, UnsupportedModelError
 from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.gguf_loader import load_gguf
-from gracelm.model.llama import LlamaForCausalLM
+from gracelm.model.llama import LlamaForCausalLM, describe_linear_kernels, linear_path
 from gracelm.model.loader import load_model
 from gracelm.model.moe import SparseMoeBlock, route
 from gracelm.parallel.decode_graph_build import graph_applies
@@ -263,6 +263,10 @@ def test_gguf_experts_run_on_the_files_blocks(tmp_path: Path) -> None:
     blocks.freeze()
     expert = blocks.model.model.layers[0].mlp.experts[3]
     assert expert.gate_up_proj.int4 is not None and not expert.gate_up_proj.has_dense
+    # The routers' float32 matrices are dense, but no expert is: the kernels are told as the blocks alone.
+    assert "/dense" not in linear_path(blocks.model), linear_path(blocks.model)
+    described = describe_linear_kernels(blocks.model)
+    assert "for every row, no dense copy" in described and "of no low-bit form" in described, described
     dense = load_model(path, dtype="bfloat16", quantization="none")
     dense.freeze()
     prompt = [t % VOCAB for t in random_tokens(21, seed=0)]

@@ -176,9 +176,8 @@ def linear_path(module: nn.Module) -> str:
     linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
     dense_ones = [m for m in linears if m.has_dense]
     low_bit = next((m.int4 for m in linears if m.int4 is not None and m.int4_max_rows > 0), None)
-    if not dense_ones:  # the file's forms alone (`--dense-weights off`)
-        assert low_bit is not None
-        return low_bit.path()
+    if low_bit is not None and not any(m.has_dense for m in linears if m.int4 is not None):
+        return low_bit.path()  # the file's forms alone (`--dense-weights off`), a router's matrix aside
     first = dense_ones[0]
     dense = ("dense-bfloat16-onednn" if first.packed is not None  # oneDNN packs bfloat16 only
              else f"dense-{str(first.weight.dtype).removeprefix('torch.')}")
@@ -189,11 +188,14 @@ def describe_linear_kernels(module: nn.Module) -> str:
     """Which kernels the frozen linears below `module` use, for the log."""
     linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
     with_int4 = [m for m in linears if m.int4 is not None and m.int4_max_rows > 0]
-    if not any(m.has_dense for m in linears):
+    dense_ones = [m for m in linears if m.has_dense]
+    dense = "" if not dense_ones else ("bfloat16 oneDNN" if dense_ones[0].packed is not None
+                                       else f"{dense_ones[0].weight.dtype} F.linear").replace("torch.", "")
+    if with_int4 and not any(m.has_dense for m in with_int4):  # the file's forms alone (no dense copy)
+        others = len(linears) - len(with_int4)  # matrices of no low-bit form (a router's float32 one)
         return (f"{with_int4[0].int4.describe()} for every row, no dense copy; prompts of >= {SHORT_PROMPT} "
-                f"tokens in calls of their own ({len(linears)} matmuls)")
-    dense = "bfloat16 oneDNN" if linears[0].packed is not None else f"{linears[0].weight.dtype} F.linear"
-    dense = dense.replace("torch.", "")
+                f"tokens in calls of their own ({len(with_int4)} matmuls)"
+                + (f"; {dense} for the {others} of no low-bit form" if others else ""))
     if not with_int4:
         return f"{dense} at every batch size ({len(linears)} matmuls)"
 
