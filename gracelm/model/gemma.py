@@ -31,7 +31,6 @@ from gracelm.model.attention import AttentionMetadata, LayerAttention, soft_cap
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.gemma_config import ACTIVATION
 from gracelm.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
-from gracelm.model.low_bit_gate import SHORT_PROMPT
 from gracelm.model.rope import inverse_frequencies, rope_cos_sin
 
 GRAPH_REFUSAL = ("Gemma's layers (soft-capped scores, sliding windows, two ropes) are not in the compiled "
@@ -64,12 +63,9 @@ class GemmaAttention(LlamaAttention):
 
 
 class GemmaMLP(LlamaMLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj.split(x)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -110,30 +106,19 @@ class GemmaModel(LlamaModel):
     def decoder_layer(config: ModelConfig, index: int) -> nn.Module:
         return GemmaDecoderLayer(config, index)
 
-    def step_inputs(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """As Llama's, the embeddings scaled and the attention metadata with the window's masks."""
-        x = self.embed_tokens(batch.input_ids)
-        x = x * self.embed_scale.to(x.dtype)
-        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype, self.rope_factor)
-        meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant, self.decode_attention,
-                                       self.window)
-        if self.int4_gate is not None:
-            self.int4_gate.mark(batch.low_bit_sequences(SHORT_PROMPT), batch.query_lens)
-        return x, cos, sin, meta
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * self.embed_scale.to(x.dtype)
 
-    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Hidden states after the final norm of the rows `batch.logits_indices`; always eager."""
-        x, cos, sin, meta = self.step_inputs(batch, kv_caches)
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   kv_caches: list[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+        """Llama's, the sliding layers rotated with their own rope where they have one."""
         local = (cos, sin)
         if self.local_inv_freq is not None:
-            local = rope_cos_sin(self.local_inv_freq, batch.positions, x.dtype)
+            local = rope_cos_sin(self.local_inv_freq, positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, *(local if layer.sliding else (cos, sin)), kv_cache, meta)
-        hidden = self.norm(x.index_select(0, batch.logits_indices))
-        if self.int4_gate is not None:
-            self.int4_gate.select(batch.logits_indices)  # the rows of the logits head, which comes next
-        return hidden
+        return x
 
 
 class GemmaForCausalLM(LlamaForCausalLM):

@@ -315,7 +315,12 @@ class LlamaMLP(nn.Module):
             gate, up = self.gate_up_proj.split(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.activation(gate).mul_(up))
+
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        """The gate's activation (a family's own MLP overrides it: `gemma.py`)."""
+        return F.silu(gate)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -360,6 +365,7 @@ class LlamaModel(nn.Module):
         self.decode_attention = "auto"  # `--decode-attention` (`config.DECODE_ATTENTION_CHOICES`)
         # Why compiled decode steps cannot serve this decoder (None: they can), for the log.
         self.graph_refusal: str | None = GRAPH_REFUSAL if config.num_experts else None
+        self.window: int | None = None  # the sliding layers' window, whose masks a step builds (`gemma.py`)
 
     @staticmethod
     def decoder_layer(config: ModelConfig, index: int) -> nn.Module:
@@ -388,8 +394,7 @@ class LlamaModel(nn.Module):
             self.compiled_steps += 1
             hidden = out.index_select(0, batch.logits_indices)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, cos, sin, kv_cache, meta)
+            x = self.run_layers(x, cos, sin, meta, kv_caches, batch.positions)
             hidden = self.norm(x.index_select(0, batch.logits_indices))
         if self.int4_gate is not None:
             self.int4_gate.select(batch.logits_indices)  # the rows of the logits head, which comes next
@@ -399,12 +404,25 @@ class LlamaModel(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """What every layer of the step takes: the embedded tokens, rope's cos and sin, the attention
         metadata; and the int4 gate told whether the step has prompt rows."""
-        x = self.embed_tokens(batch.input_ids)
+        x = self.embed(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, x.dtype, self.rope_factor)
-        meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant, self.decode_attention)
+        meta = AttentionMetadata.build(batch, kv_caches[0], self.batch_invariant, self.decode_attention,
+                                       self.window)
         if self.int4_gate is not None:
             self.int4_gate.mark(batch.low_bit_sequences(SHORT_PROMPT), batch.query_lens)
         return x, cos, sin, meta
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (a family's own decoder scales them: `gemma.py`)."""
+        return self.embed_tokens(input_ids)
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   kv_caches: list[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+        """The decoder layers, eagerly, over the step's rows (a family with a rope of its own for some
+        layers overrides it: `gemma.py`)."""
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return x
 
     def _graph_for(self, batch: ForwardBatch) -> DecodeGraph | None:
         """The compiled decode step that serves this step, if any: a step of decode tokens alone (so one
