@@ -71,11 +71,9 @@ def split_gguf_experts(gguf: GGUFFile, config: ModelConfig) -> GGUFFile:
         if match is None or len(info.shape) != 3:
             tensors[name] = info  # a misfit is named by the model's shape check
             continue
-        experts, expert_bytes = info.shape[0], info.nbytes // info.shape[0]
-        for e in range(experts):
+        for e in range(info.shape[0]):
             part = f"{match.group(1)}ffn_{match.group(2)}_exp{e}.weight"
-            tensors[part] = dataclasses.replace(info, name=part, shape=info.shape[1:],
-                                                offset=info.offset + e * expert_bytes, nbytes=expert_bytes)
+            tensors[part] = info.part(part, e, info.shape[1:])
     return dataclasses.replace(gguf, tensors=tensors)
 
 

@@ -67,10 +67,9 @@ def split_gguf(gguf: GGUFFile, config: ModelConfig) -> GGUFFile:
             tensors[name] = info  # not fused (an `ffn_up` beside its `ffn_gate`), or a misfit named later
             continue
         prefix, parts = match.group(1), _GGUF_PARTS[match.group(2)]
-        row_bytes, offset = info.nbytes // info.shape[0], info.offset
+        start = 0
         for part, rows in zip(parts, sizes, strict=True):
             part_name = f"{prefix}{part}.weight"
-            tensors[part_name] = dataclasses.replace(info, name=part_name, shape=(rows, info.shape[1]),
-                                                     offset=offset, nbytes=rows * row_bytes)
-            offset += rows * row_bytes
+            tensors[part_name] = info.part(part_name, start, (rows, info.shape[1]))
+            start += rows
     return dataclasses.replace(gguf, tensors=tensors)

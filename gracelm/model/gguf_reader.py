@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,14 @@ class GGUFTensorInfo:
     ggml_type: GGMLQuantizationType
     offset: int  # from the start of the file
     nbytes: int
+
+    def part(self, name: str, start: int, shape: tuple[int, ...]) -> GGUFTensorInfo:
+        """A part of this tensor as an entry of its own: `shape`'s elements from index `start` of its first
+        dimension on (rows of a fused matrix; one expert of a stack, `shape` then without that dimension).
+        Its bytes are a range of this one's, since each index of the first dimension is whole blocks."""
+        per_index = self.nbytes // self.shape[0]
+        return replace(self, name=name, shape=shape, offset=self.offset + start * per_index,
+                       nbytes=self.nbytes * prod(shape) // prod(self.shape))
 
 
 @dataclass
