@@ -251,7 +251,7 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DECODE_ATTENTION_CHOICES = ("auto", "fused", "unfused")
 
 
-# What a server does with its model (`model/pooling.py:resolve_task`): auto (an embedding model's files say
+# What a server does with its model (`model/pooling.py:task_pooling`): auto (an embedding model's files say
 # embed, else generate), generate (text), embed (vectors, /v1/embeddings).
 TASK_CHOICES = ("auto", "generate", "embed")
 

@@ -28,7 +28,7 @@ from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.output_processor import OpenRequest, OutputProcessor
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.process_end import ProcessEnd
-from gracelm.model.pooling import Pooling, read_pooling, resolve_task
+from gracelm.model.pooling import Pooling, task_pooling
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.parallel.layout import check_parallel_config
 from gracelm.sampling_params import SamplingParams
@@ -116,9 +116,9 @@ class EngineFrontend:
         self._shut_down = False
         self._calls_pending = 0  # utility calls sent and not answered
         check_parallel_config(config)  # an unsplittable model is refused before any process starts
-        config = dataclasses.replace(config, task=resolve_task(config.task, config.model))
         # The embedding model's pooling (None when it generates), from its files: before any process starts.
         self.pooling = _embedding_pooling(config)
+        config = dataclasses.replace(config, task="generate" if self.pooling is None else "embed")
         self._client = EngineCoreClient(config, self._ledger)
         try:
             self._take_ready(config, self._client.ready)
@@ -297,11 +297,10 @@ class EngineFrontend:
 
 
 def _embedding_pooling(config: EngineConfig) -> Pooling | None:
-    if config.task != "embed":
-        return None
-    if config.tensor_parallel_size > 1:
+    pooling = task_pooling(config.task, config.model)
+    if pooling is not None and config.tensor_parallel_size > 1:
         raise ValueError("task embed (--task) is served on one rank: tensor_parallel_size must be 1")
-    return read_pooling(config.model)
+    return pooling
 
 
 def _call_if_alive(ref: weakref.ref, end: ProcessEnd) -> None:

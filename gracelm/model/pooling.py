@@ -81,35 +81,30 @@ def pooled_sums(hidden: Any, rows: list[PoolRows]) -> dict[str, PooledSum]:
             for r, part in zip(rows, parts, strict=True)}
 
 
-def resolve_task(task: str, model: str | os.PathLike[str] | None) -> str:
-    """"generate" or "embed": the task asked, or with "auto" the one the model's files name (an embedding
-    model has sentence-transformers' Pooling module)."""
+def task_pooling(task: str, model: str | os.PathLike[str] | None) -> Pooling | None:
+    """The pooling `model` is served with for `task`, or None where it generates text: "generate"; "embed";
+    "auto", an embedding model where its files name a pooling (sentence-transformers' Pooling module, a GGUF
+    file's `pooling_type`). The model's files are read once for both."""
     if task not in TASK_CHOICES:
         raise ValueError(f"task must be one of {', '.join(TASK_CHOICES)}, got {task!r}")
-    if task != "auto":
-        return task
+    if task == "generate":
+        return None
     path = resolve_model_path(model)
     if not path.is_dir():
-        return "embed" if _gguf_pooling_type(path) is not None else "generate"
-    return "embed" if _pooling_dir(path) is not None else "generate"
-
-
-def read_pooling(model: str | os.PathLike[str] | None) -> Pooling:
-    """The pooling of the embedding model at `model`: a Hugging Face directory, or a GGUF file."""
-    path = resolve_model_path(model)
-    if not path.is_dir():
-        return _gguf_pooling(path)
+        kind = _gguf_pooling_type(path)
+        return None if task == "auto" and kind is None else _gguf_pooling(path, kind)
     pooling_dir = _pooling_dir(path)
+    if task == "auto" and pooling_dir is None:
+        return None
     hf = _json(path / "config.json") or {}
     method = "last" if pooling_dir is None else _method(pooling_dir)
     normalize = pooling_dir is None or any(m.get("type") == _NORMALIZE_MODULE for m in _modules(path))
     return Pooling(method, normalize, _matryoshka(hf))
 
 
-def _gguf_pooling(path: Path) -> Pooling:
-    """A GGUF file's pooling, from its `<arch>.pooling_type` (last token where it has none), normalised as
-    llama.cpp's server normalises; no Matryoshka dimensions, which the file cannot declare."""
-    kind = _gguf_pooling_type(path)
+def _gguf_pooling(path: Path, kind: int | None) -> Pooling:
+    """A GGUF file's pooling, from its `<arch>.pooling_type` `kind` (last token where it has none),
+    normalised as llama.cpp's server normalises; no Matryoshka dimensions, which the file cannot declare."""
     if kind is None:
         return Pooling()
     if kind not in _GGUF_POOLING:
