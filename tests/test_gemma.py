@@ -25,7 +25,13 @@ from gracelm.model.model_files import config_from_hf
 from tests.server_process import ServerProcess
 from tests.test_gguf import VOCAB as GGUF_VOCAB
 from tests.test_gguf import gguf_name, write_gguf
-from tests.test_model_parity import PagedRunner, assert_matches, random_tokens, reference_logits
+from tests.test_model_parity import (
+    PagedRunner,
+    assert_greedy_equals_generate,
+    assert_matches,
+    random_tokens,
+    reference_logits,
+)
 from tests.tiny_models import tiny_model
 
 WINDOW = 8
@@ -109,18 +115,7 @@ def test_batch_invariant_mode_computes_the_same() -> None:
 
 def test_greedy_tokens_equal_transformers_generate(models: Models) -> None:
     ours, reference = models
-    prompt, new_tokens = random_tokens(9, seed=7), 16
-    runner = PagedRunner(ours)
-    logits = runner.step([(0, prompt)])[0]
-    tokens = []
-    for _ in range(new_tokens):
-        tokens.append(int(logits[-1].argmax()))
-        logits = runner.step([(0, tokens[-1:])])[0]
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    expected = out[0, len(prompt):].tolist()  # up to an end-of-sequence token, where generate stops
-    assert len(expected) > 4 and tokens[: len(expected)] == expected
+    assert_greedy_equals_generate(ours, reference, random_tokens(9, seed=7), 16)
 
 
 # llama.cpp's names of Gemma's layer tensors: `ffn_norm` is the norm before the MLP.

@@ -252,7 +252,13 @@ def test_greedy_tokens_equal_transformers_generate(overrides: dict) -> None:
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     model = load_model(directory, dtype="float32", device=TEST_DEVICE).model
     model.freeze()
-    prompt, new_tokens = random_tokens(9, seed=7), 24
+    assert_greedy_equals_generate(model, reference, random_tokens(9, seed=7), 24)
+
+
+def assert_greedy_equals_generate(model: torch.nn.Module, reference: torch.nn.Module, prompt: list[int],
+                                  new_tokens: int) -> None:
+    """`model`'s greedy tokens after `prompt`, decoded step by step over the paged cache, are transformers'
+    `generate` of `reference` (up to an end-of-sequence token, where generate stops)."""
     runner = PagedRunner(model)
     logits = runner.step([(0, prompt)])[0]
     ours = []
@@ -262,5 +268,5 @@ def test_greedy_tokens_equal_transformers_generate(overrides: dict) -> None:
     with torch.no_grad():
         out = reference.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    expected = out[0, len(prompt):].tolist()  # up to an end-of-sequence token, where generate stops
+    expected = out[0, len(prompt):].tolist()
     assert len(expected) > 4 and ours[: len(expected)] == expected
