@@ -254,6 +254,8 @@ DECODE_ATTENTION_CHOICES = ("auto", "fused", "unfused")
 # What a server does with its model (`model/pooling.py:task_pooling`): auto (an embedding model's files say
 # embed, else generate), generate (text), embed (vectors, /v1/embeddings).
 TASK_CHOICES = ("auto", "generate", "embed")
+# Speculative decoding (`engine/speculation.py`): off, or ngram (drafts looked up in the sequence itself).
+SPECULATIVE_CHOICES = ("off", "ngram")
 
 
 def _cpu_features(names: list[str]) -> str | None:
@@ -316,6 +318,19 @@ class EngineConfig:
     deterministic: bool = option(False, "batch-invariant computation: a request's tokens (greedy, or "
                                         "sampled with a seed) do not depend on the other requests it is "
                                         "batched with, at some cost in speed")
+    speculative: str = option("off", "speculative decoding: ngram (prompt lookup: each step drafts the "
+                                     "tokens that followed an earlier occurrence of the sequence's last "
+                                     "tokens, and one forward pass verifies them; pays where answers copy "
+                                     "their input: edits, rewrites, summaries), off",
+                              choices=SPECULATIVE_CHOICES)
+    num_speculative_tokens: int = option(4, "draft tokens a sequence verifies per step at most",
+                                         check=at_least(1))
+    prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up, in tokens", check=at_least(1))
+    prompt_lookup_max: int = option(4, "ngram: the longest suffix looked up (the longest match wins)",
+                                    check=at_least(1))
+    speculative_max_batch: int = option(8, "speculate only while at most this many requests run: larger "
+                                           "batches keep the CPU busy, and verifying drafts would slow them",
+                                        check=at_least(1))
     mask_cpu_features: list[str] = option(
         [], f"CPU features to choose every path as if this CPU lacked: {', '.join(cpu_features.MASKABLE)} "
             "(each masks those built on it too; amx runs a Zen 4's paths on a Sapphire Rapids, avx512 an "
@@ -351,6 +366,9 @@ class EngineConfig:
                              "ranks' collectives run on the CPU")
         self._check_kv_cache_dir()
         self._check_dense_weights()
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
 
     def _check_dense_weights(self) -> None:
         """What needs the dense weights refuses `dense_weights off` by name: they are what tensor parallelism

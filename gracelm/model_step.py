@@ -22,8 +22,9 @@ class StepBatch(msgspec.Struct, tag=True, array_like=True):
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # tokens of context per sequence after the step
     block_tables: list[list[int]]  # padded with 0
-    # Rows whose logits are returned: each sampling sequence's last token, in batch order, then the prompt
-    # positions whose logprobs a request asked for (`ModelStep.prompt_rows`).
+    # Rows whose logits are returned: each sampling sequence's last token (and its draft tokens, when it
+    # drafted), in batch order, then the prompt positions whose logprobs a request asked for
+    # (`ModelStep.prompt_rows`).
     logits_indices: list[int]
     prompt_lens: list[int]  # each sequence's prompt length: the rows before it are a prompt's
     sent_at: float = 0.0  # time.time() on rank 0 when sent: the broadcast latency, seen by a worker
@@ -47,6 +48,14 @@ class ModelStep:
     # The embedding requests whose pooled positions this step computes, in the order of their rows, which
     # follow the prompt rows: those rows' final hidden states are returned instead of logits.
     pool_rows: list[PoolRows] = field(default_factory=list)
+    # Per sampling request, the draft tokens after its last token (`engine/speculation.py`): it has a
+    # logits row for each, after its own, and they are verified in order; empty lists when none drafted.
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        """The logits rows the sampling requests take: one each, and one per draft token."""
+        return len(self.request_ids) + sum(len(drafts) for drafts in self.draft_token_ids)
 
 
 @dataclass
@@ -101,11 +110,11 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 
 @dataclass
 class StepResult:
-    """What rank 0 returns for a step: a token (or fault) per sampling row, in order, the prompt logprobs
-    of each request of `ModelStep.prompt_rows` and the pooled sums of each of `ModelStep.pool_rows`, by
-    request id."""
+    """What rank 0 returns for a step: a run of tokens per sampling request, in order (its token, or a
+    fault, after the draft tokens the verification kept), the prompt logprobs of each request of
+    `ModelStep.prompt_rows` and the pooled sums of each of `ModelStep.pool_rows`, by request id."""
 
-    sampled: list[SampledToken | SamplingFault]
+    sampled: list[list[SampledToken | SamplingFault]]
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     pooled: dict[str, PooledSum] = field(default_factory=dict)
 

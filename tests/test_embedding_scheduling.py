@@ -35,7 +35,7 @@ def fake_step(scheduler: Scheduler) -> tuple[list[RequestUpdate], int]:
         vector = [float(sum(batch.input_ids[i] for i in indices)),
                   float(sum(batch.positions[i] for i in indices)), float(len(indices))]
         pooled[rows.request_id] = PooledSum(vector, rows.num_rows)
-    sampled = [SampledToken(1) for _ in step.request_ids]
+    sampled = [[SampledToken(1)] for _ in step.request_ids]
     return scheduler.update_from_output(output, sampled, None, pooled), len(output.preempted_request_ids)
 
 

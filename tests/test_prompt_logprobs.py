@@ -232,7 +232,7 @@ def test_tensor_parallel_prompt_logprobs_match_transformers(model_dir, reference
 
 # -- the scheduler: prompt rows over chunks and a preemption ----------------------------------------------
 
-def _fake_step(output, model_step) -> tuple[list[SampledToken], dict[str, PromptLogprobs]]:
+def _fake_step(output, model_step) -> tuple[list[list[SampledToken]], dict[str, PromptLogprobs]]:
     """Each prompt row's "logprob" is minus its position, so that what arrives tells which rows ran."""
     positions = [model_step.batch.positions[i] for i in model_step.batch.logits_indices]
     prompt_positions = iter(positions[len(model_step.request_ids):])
@@ -240,7 +240,7 @@ def _fake_step(output, model_step) -> tuple[list[SampledToken], dict[str, Prompt
                                               [1] * len(rows.target_ids), [[] for _ in rows.target_ids],
                                               [[] for _ in rows.target_ids])
               for rows in model_step.prompt_rows}
-    return [SampledToken(7) for _ in model_step.request_ids], scored
+    return [[SampledToken(7)] for _ in model_step.request_ids], scored
 
 
 def test_a_preemption_in_prefill_never_scores_a_prompt_position_twice():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -32,22 +33,33 @@ def next_token(context: list[int]) -> int:
 
 
 class FakeModel:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, next_token: Callable[[list[int]], int] = next_token) -> None:
         self.block_size = config.block_size
+        self.next_token = next_token
         self.slots: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_blocks)]
 
-    def step(self, output: SchedulerOutput) -> list[SampledToken]:
+    def step(self, output: SchedulerOutput) -> list[list[SampledToken]]:
+        """Each sampling request's run, as `parallel/spec_verify.py` makes it: drafts kept while each is the
+        token the context before it gives, then the token where none is kept; the context is read from the
+        "KV" slots, so a wrong slot changes the tokens."""
         bs = self.block_size
         for item in output.scheduled:  # write every new token's "KV" first, as a forward pass does
-            tokens = item.request.all_token_ids
+            tokens = item.request.all_token_ids + item.draft_token_ids
             for pos in range(item.start_position, item.start_position + item.num_new_tokens):
                 self.slots[item.block_ids[pos // bs]][pos % bs] = tokens[pos]
         sampled = []
         for item in output.scheduled:
             if item.samples:
-                end = item.start_position + item.num_new_tokens
-                context = [self.slots[item.block_ids[pos // bs]][pos % bs] for pos in range(end)]
-                sampled.append(SampledToken(next_token(context)))
+                drafts = item.draft_token_ids
+                end = item.start_position + item.num_new_tokens - len(drafts)
+                run = []
+                for position in range(len(drafts) + 1):
+                    context = [self.slots[item.block_ids[pos // bs]][pos % bs]
+                               for pos in range(end + position)]
+                    run.append(SampledToken(self.next_token(context)))
+                    if position == len(drafts) or run[-1].token_id != drafts[position]:
+                        break
+                sampled.append(run)
         return sampled
 
 

@@ -42,6 +42,7 @@ from gracelm.engine.messages import CoreState
 from gracelm.engine.request import Request
 from gracelm.engine.request_timings import RequestTimings
 from gracelm.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from gracelm.engine.speculation import SpeculationConfig
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.lifecycle.faults import faults
 from gracelm.lifecycle.heartbeat import Heartbeat
@@ -77,6 +78,7 @@ class EngineCore:
                 num_blocks=num_blocks,
                 block_size=config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
+                speculation=speculation_config(config),
             )
             self.executor.init_kv_cache(num_blocks)
             startup_timeline.mark("kv_cache")
@@ -143,8 +145,8 @@ class EngineCore:
         return self.abort_requests([request.request_id for request in pending])
 
     def step(self) -> list[msg.TokenOutput]:
-        """Schedule → execute → update: one token for each request whose last token was computed (an
-        embedding request's pooled vector instead)."""
+        """Schedule → execute → update: one token for each request whose last token was computed, after the
+        draft tokens it kept when it drafted (an embedding request's pooled vector instead)."""
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted_request_ids)
         if not scheduled.scheduled:
@@ -332,6 +334,18 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
     resources = [r for part in (saved, *executor_reports, report) for r in part.to_dict()["resources"]]
     output_socket.send(msg.encode(msg.Stopped(resources)))
     return ExitCode.CLEAN_STOP
+
+
+def speculation_config(config: EngineConfig) -> SpeculationConfig | None:
+    """The scheduler's speculation settings; None when it is off. An embedding model samples nothing to
+    speculate on, so it refuses the option by name."""
+    if config.speculative == "off":
+        return None
+    if config.task == "embed":
+        raise UnsupportedModelError(f"speculative {config.speculative} (--speculative) applies to text "
+                                    f"generation; this server serves embeddings (--task embed)")
+    return SpeculationConfig(config.speculative, config.num_speculative_tokens, config.prompt_lookup_min,
+                             config.prompt_lookup_max, config.speculative_max_batch)
 
 
 def _token_output(update: RequestUpdate) -> msg.TokenOutput:

@@ -131,6 +131,17 @@ class KVCacheManager:
                 self._block_hash[block] = block_hash
         self._num_registered[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks past those its first `num_tokens` tokens take: the blocks that held
+        only rejected draft positions (`speculation.py`). Taken in this step, they are the request's alone
+        and hold nothing registered (only blocks full of computed tokens are)."""
+        keep = cdiv(num_tokens, self.block_size)
+        while len(request.block_ids) > keep:
+            block = request.block_ids.pop()
+            assert self._ref_counts[block] == 1 and self._block_hash[block] is None
+            self._ref_counts[block] = 0
+            self._free.append(block)
+
     def free(self, request: Request) -> None:
         """Drops the request's references; its cached blocks stay reusable until evicted."""
         # Released tail first, so that eviction (least recently released first) takes a sequence's last

@@ -21,6 +21,13 @@ Embedding requests (`Request.pooling`) are scheduled as any prefill, by the same
 chunks' pooled positions become rows whose hidden states come back summed (`ModelStep.pool_rows`), and the
 step that computes the last prompt token finishes them with their pooled vector ("stop"), sampling nothing.
 
+Speculative decoding (`speculation.py`): a decoding request may be scheduled its last token and draft tokens
+after it (`ScheduledRequest.draft_token_ids`, counted in the budget and given KV slots). Its sampled tokens
+come back as a run: the drafts the target model kept, then the token it sampled where it kept no more.
+Each is taken as a token of its own (stop checks included, so a stop inside the run ends the request
+there), the kept drafts count as computed, and the blocks that held only rejected positions are freed
+at once. A rejected draft never reaches `all_token_ids`, so the prefix cache never holds one.
+
 Containment: a request whose sampling failed (a `SamplingFault` in place of its token) or whose own update
 raises (its stop checks) finishes with `finish_reason="error"`, its blocks freed; the other requests of the
 step are updated as usual. The KV-cache bookkeeping is not guarded: a fault there is the engine's, fatal.
@@ -37,6 +44,7 @@ from dataclasses import dataclass, field
 from gracelm.arith import cdiv
 from gracelm.engine.kv_cache_manager import KVCacheManager
 from gracelm.engine.request import Request, RequestStatus
+from gracelm.engine.speculation import OFF_STATS, Speculation, SpeculationConfig
 from gracelm.model_step import (
     ModelStep,
     PooledSum,
@@ -63,6 +71,7 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int | None = None  # caps one request's prefill chunk per step
+    speculation: SpeculationConfig | None = None  # speculative decoding, when on
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -89,6 +98,8 @@ class ScheduledRequest:
     start_position: int  # position of the first new token: the request's computed tokens before the step
     block_ids: list[int]  # the request's whole block table for this step (a copy)
     samples: bool  # the step computes the request's last token: a next token is sampled, or it is pooled
+    # Draft tokens after its last token (`speculation.py`), counted in num_new_tokens.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def draws(self) -> bool:
@@ -135,12 +146,14 @@ class SchedulerOutput:
             if first < last:
                 pool_indices.extend(range(len(input_ids) + first - start, len(input_ids) + last - start))
                 pool_rows.append(PoolRows(request.request_id, last - first))
-            input_ids.extend(item.request.all_token_ids[start:end])
+            drafts = item.draft_token_ids
+            input_ids.extend(item.request.all_token_ids[start:end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             slots.extend(item.block_ids[pos // block_size] * block_size + pos % block_size
                          for pos in range(start, end))
-            if item.draws:
-                logits_indices.append(len(input_ids) - 1)
+            if item.draws:  # the last token's row, and each draft's: the positions verified
+                logits_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
         width = max(len(item.block_ids) for item in self.scheduled)
         batch = StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots,
                           query_lens=[item.num_new_tokens for item in self.scheduled],
@@ -152,7 +165,8 @@ class SchedulerOutput:
         sampling = [item.request for item in self.sampling]
         return ModelStep(batch, [r.request_id for r in sampling], [r.sampling_params for r in sampling],
                          [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling],
-                         [r.held_stop_ids() for r in sampling], prompt_rows, pool_rows)
+                         [r.held_stop_ids() for r in sampling], prompt_rows, pool_rows,
+                         [item.draft_token_ids for item in self.sampling])
 
 
 @dataclass(frozen=True)
@@ -184,6 +198,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._arrivals = itertools.count()
+        self.speculation = Speculation(config.speculation) if config.speculation is not None else None
 
     @property
     def num_running(self) -> int:
@@ -227,6 +242,11 @@ class Scheduler:
             elif following is not None:
                 request = following
                 num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+                drafts = self._draft(request, num_new, budget)
+                if drafts and self.kv_cache.allocate_slots(request, num_new + len(drafts)):
+                    budget -= self._add(output, request, num_new + len(drafts), drafts)
+                    num_visited += 1
+                    continue
                 if not self._allocate_or_preempt(request, num_new, output):
                     break  # it was the tail of `running` and preempted itself: nothing after it is left
             else:
@@ -235,24 +255,39 @@ class Scheduler:
             num_visited += 1
         return output
 
-    def update_from_output(self, output: SchedulerOutput, sampled: list[SampledToken | SamplingFault],
+    def _draft(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """A decoding request's draft tokens for this step: none while speculation does not apply, and never
+        more than the step's budget, the model's length or the request's max_tokens leave room for (the
+        step yields up to one token more than it drafts)."""
+        speculation = self.speculation
+        if (speculation is None or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1
+                or request.pooling is not None or not speculation.applies(len(self.running))):
+            return []
+        room = min(budget - 1, self.config.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(request.output_token_ids) - 1)
+        return speculation.draft(request, room)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: list[list[SampledToken | SamplingFault]],
                            prompt_logprobs: dict[str, PromptLogprobs] | None = None,
                            pooled: dict[str, PooledSum] | None = None) -> list[RequestUpdate]:
         """Records a step's results: computed tokens, newly full blocks, prompt logprobs, pooled sums,
-        sampled tokens and stops. `sampled` holds one token (or fault) per request of `output.sampling`, in
-        that order; `prompt_logprobs` and `pooled` what the step computed of the prompt logprobs of requests
-        that asked and of embedding requests' pooled rows."""
+        sampled tokens and stops. `sampled` holds a run per request of `output.sampling`, in that order: its
+        token (or fault), after the drafts kept when it drafted; `prompt_logprobs` and `pooled` what the step
+        computed of the prompt logprobs of requests that asked and of embedding requests' pooled rows. A
+        request gets an update per token it took."""
         prompt_logprobs = prompt_logprobs or {}
         pooled = pooled or {}
         updates = []
         any_finished = False
-        tokens = iter(sampled)
+        runs = iter(sampled)
         for item in output.scheduled:
             request = item.request
-            token = next(tokens) if item.draws else None
+            run = next(runs) if item.draws else None
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += item.num_new_tokens
+            request.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids)
             self.kv_cache.cache_full_blocks(request)
             if request.request_id in prompt_logprobs:
                 request.add_prompt_logprobs(prompt_logprobs[request.request_id])
@@ -262,28 +297,44 @@ class Scheduler:
                     updates.append(self._embedded(request))
                     any_finished = True
                 continue
-            if token is None:
+            if run is None:
                 continue
+            if item.draft_token_ids and self.speculation is not None:
+                self.speculation.record(request.request_id, len(item.draft_token_ids), len(run) - 1)
+            updates.extend(self._take_run(request, run))
+            if request.is_finished:
+                any_finished = True
+            elif item.draft_token_ids:
+                self.kv_cache.trim(request, request.num_computed_tokens + 1)
+        if any_finished:
+            self.running = [request for request in self.running if not request.is_finished]
+        return updates
+
+    def _take_run(self, request: Request, run: list[SampledToken | SamplingFault]) -> list[RequestUpdate]:
+        """A request's tokens of one step, in order, until one ends it: each but the last is a kept draft,
+        whose KV entry the step computed."""
+        updates = []
+        for index, token in enumerate(run):
             if isinstance(token, SamplingFault):
                 updates.append(self._fail(request, SAMPLING_STAGE, token.error))
-                any_finished = True
-                continue
+                break
             try:
                 request.append_output_token(token.token_id)
                 status = self._stop_status(request, token.token_id)
             except Exception as e:  # this request's own fault: it ends, the step goes on
                 logger.exception("request %s: its stop checks raised", request.request_id)
                 updates.append(self._fail(request, STOP_CHECK_STAGE, f"{type(e).__name__}: {e}"))
-                any_finished = True
-                continue
+                break
+            if index < len(run) - 1:
+                request.num_computed_tokens += 1
+                self.kv_cache.cache_full_blocks(request)
             if status is not None:
                 self._finish(request, status)
-                any_finished = True
             updates.append(RequestUpdate(request.request_id, token, request.is_finished,
                                          request.finish_reason, request.stop_reason,
                                          prompt_logprobs=request.take_prompt_logprobs()))
-        if any_finished:
-            self.running = [request for request in self.running if not request.is_finished]
+            if request.is_finished:
+                break
         return updates
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
@@ -320,6 +371,7 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "kv_restored_blocks": kv.num_restored_blocks,
             "kv_restored_block_hits": kv.restored_block_hits,
+            "spec_decode": self.speculation.stats() if self.speculation is not None else OFF_STATS,
         }
 
     def _chunk(self, num_remaining: int, budget: int) -> int:
@@ -383,10 +435,11 @@ class Scheduler:
         output.preempted_request_ids.append(victim.request_id)
 
     @staticmethod
-    def _add(output: SchedulerOutput, request: Request, num_new: int) -> int:
+    def _add(output: SchedulerOutput, request: Request, num_new: int, drafts: list[int] | None = None) -> int:
         start = request.num_computed_tokens
+        drafts = drafts or []
         output.scheduled.append(ScheduledRequest(request, num_new, start, list(request.block_ids),
-                                                 start + num_new == request.num_tokens))
+                                                 start + num_new - len(drafts) == request.num_tokens, drafts))
         output.total_num_scheduled_tokens += num_new
         return num_new
 
@@ -424,3 +477,5 @@ class Scheduler:
         request.status = status
         self.kv_cache.free(request)
         del self._requests[request.request_id]
+        if self.speculation is not None:
+            self.speculation.forget(request.request_id)

@@ -31,12 +31,13 @@ class ForwardBatch:
     prompt_lens: list[int] | None = None
 
     def low_bit_sequences(self, short_prompt: int) -> list[bool]:
-        """Per sequence, whether its new tokens take a model's low-bit forms (`low_bit_gate.py`): a decode
-        token does, and every token of a prompt of fewer than `short_prompt` tokens (a chunk of it, or
-        tokens recomputed after a preemption, too); those of longer prompts do not."""
+        """Per sequence, whether its new tokens take a model's low-bit forms (`low_bit_gate.py`): decode
+        tokens do (one, or a verification's several: `engine/speculation.py`, computed as the same tokens
+        decoded one by one would be), and every token of a prompt of fewer than `short_prompt` tokens (a
+        chunk of it, or tokens recomputed after a preemption, too); those of longer prompts do not."""
         if self.prompt_lens is None:
             return [q == 1 for q in self.query_lens]
-        return [prompt < short_prompt or (q == 1 and seq - q >= prompt)
+        return [prompt < short_prompt or seq - q >= prompt
                 for q, seq, prompt in zip(self.query_lens, self.seq_lens, self.prompt_lens, strict=True)]
 
     @classmethod

@@ -125,9 +125,10 @@ class Executor:
         run_warmup(self._driver, steps)
 
     def execute(self, step: ModelStep) -> StepResult:
-        """Runs one step on every rank; the sampled token of each row of `step.request_ids`, in order (a
-        `SamplingFault` for a row whose sampling raised: only its request ends), and the prompt logprobs of
-        `step.prompt_rows` (rank 0 has the gathered logits of every row)."""
+        """Runs one step on every rank; the run of sampled tokens of each request of `step.request_ids`, in
+        order (its drafts kept, then its token or a `SamplingFault` when its sampling raised: only its
+        request ends), and the prompt logprobs of `step.prompt_rows` (rank 0 has the gathered logits of
+        every row)."""
         if self._group is None:
             if self.graph_build is not None:
                 self.graph_build.poll()

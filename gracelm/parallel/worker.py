@@ -54,6 +54,7 @@ from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch
 from gracelm.parallel.heap import keep_freed_memory, release_freed_memory
 from gracelm.parallel.layout import check_shardable, shard_config
 from gracelm.parallel.sharding import CommTimer, TensorParallelModel
+from gracelm.parallel.spec_verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -229,14 +230,15 @@ class Worker:
 
     @torch.inference_mode()
     def sample_step(self, step: ModelStep) -> StepResult:
-        """Rank 0: runs the forward pass of the step, samples one token per row that samples (or, for a
-        row whose sampling raised, a `SamplingFault`), scores the prompt rows asked for and sums the rows
-        that embedding requests pool (an embedding model's steps have these alone)."""
+        """Rank 0: runs the forward pass of the step, samples each sampling request's token, after the
+        draft tokens it keeps when it drafted (`spec_verify.py`; a `SamplingFault` for a row whose sampling
+        raised), scores the prompt rows asked for and sums the rows that embedding requests pool (an
+        embedding model's steps have these alone)."""
         out = self.forward(step.batch)
         assert out is not None
-        num_sampling = len(step.request_ids)
+        num_sampling = step.num_sampling_rows
         num_scored = num_sampling + sum(len(rows.target_ids) for rows in step.prompt_rows)
-        return StepResult(self._sample_rows(out[:num_sampling], step),
+        return StepResult(verify(out[:num_sampling], step, self._sample_rows),
                           prompt_logprobs(out[num_sampling:num_scored], step.prompt_rows),
                           pooled_sums(out[num_scored:], step.pool_rows))
 

@@ -1,0 +1,107 @@
+"""Speculative decoding's scheduling side: which decoding sequences draft this step, how many tokens, and
+what came of it.
+
+A sequence that drafts is scheduled its last token and k draft tokens in one step; the forward pass scores
+the k + 1 positions and the sampler takes them in order, keeping drafts while each equals the token the
+target model samples there (`parallel/spec_verify.py`). So a step yields 1 to k + 1 tokens, distributed as
+plain decoding would give them, and the rejected positions' KV entries are never counted as computed
+(`Scheduler.update_from_output` frees their blocks).
+
+When it pays. Verifying k drafts costs k more rows in the step's forward pass. At few sequences a step is
+bound by reading the weights, which the rows share; in a larger batch the CPU is busy already and wasted rows
+slow every sequence. So:
+- no sequence drafts in a step while more than `max_batch` requests run;
+- a sequence whose draft was wholly rejected sits out its next drafts, twice as many after each such miss
+  in a row (up to `_MAX_BACKOFF` steps), and drafts again at once after a draft with a token accepted: the
+  answer stopped or started copying its input.
+
+The statistics (`stats`) are cumulative, as vLLM reports them: drafts (one per sequence and step that
+drafted), draft tokens, accepted tokens, and accepted tokens by draft position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gracelm.engine.ngram_proposer import NgramProposer
+from gracelm.engine.request import Request
+
+# The most steps a sequence sits out after drafts wholly rejected in a row.
+_MAX_BACKOFF = 16
+
+
+@dataclass
+class SpeculationConfig:
+    method: str  # "ngram"
+    num_tokens: int  # k: draft tokens per sequence and step at most
+    lookup_min: int
+    lookup_max: int
+    max_batch: int  # no drafting while more requests than this run
+
+
+@dataclass
+class _Backoff:
+    misses: int = 0  # drafts wholly rejected in a row
+    skip: int = 0  # steps left to sit out
+
+
+@dataclass
+class Speculation:
+    config: SpeculationConfig
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    _backoff: dict[str, _Backoff] = field(default_factory=dict)
+    _proposer: NgramProposer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._proposer = NgramProposer(self.config.lookup_min, self.config.lookup_max)
+        self.accepted_per_position = [0] * self.config.num_tokens
+
+    def applies(self, num_running: int) -> bool:
+        """Whether sequences may draft in a step while `num_running` requests run."""
+        return num_running <= self.config.max_batch
+
+    def draft(self, request: Request, limit: int) -> list[int]:
+        """The request's draft tokens for this step, at most `limit` (the step's and the request's room)."""
+        backoff = self._backoff.get(request.request_id)
+        if backoff is not None and backoff.skip > 0:
+            backoff.skip -= 1
+            return []
+        k = min(self.config.num_tokens, limit)
+        if k <= 0:
+            return []
+        return self._proposer.propose(request.request_id, request.all_token_ids, k)
+
+    def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        """What the verification of a draft of `num_drafted` tokens kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+        backoff = self._backoff.setdefault(request_id, _Backoff())
+        if num_accepted:
+            backoff.misses = 0
+            return
+        backoff.misses += 1
+        backoff.skip = min(2 ** (backoff.misses - 1), _MAX_BACKOFF)
+
+    def forget(self, request_id: str) -> None:
+        """A finished request's state goes."""
+        self._proposer.forget(request_id)
+        self._backoff.pop(request_id, None)
+
+    def num_tracked(self) -> int:
+        """Requests whose state is held (none once every request has finished)."""
+        return len(self._proposer) + len(self._backoff)
+
+    def stats(self) -> dict:
+        return {"method": self.config.method, "num_drafts": self.num_drafts,
+                "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position)}
+
+
+OFF_STATS = {"method": "off", "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+             "accepted_per_position": []}
