@@ -7,12 +7,16 @@ test starts a second one without a key."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.server
+import importlib.resources
 import json
 import os
 import re
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -24,6 +28,7 @@ import pytest
 
 from gracelm.lifecycle.last_shutdown import FILE_NAME, load_last_shutdown, writable_dir_problem
 from gracelm.observability.metrics import ThroughputHistory
+from gracelm.server.status_page import _engine_view
 from tests.server_process import GRACELM, ServerProcess, start_streams
 from tests.tiny_models import tiny_model
 
@@ -301,3 +306,76 @@ def test_state_dir_checks_and_an_unreadable_record_is_ignored(tmp_path, caplog):
     (tmp_path / FILE_NAME).write_text("{torn")
     assert load_last_shutdown(str(tmp_path)) is None
     assert "ignoring the last shutdown record" in caplog.text
+
+
+ENGINE_STATS = {"state": "running", "kv_usage": 0.25, "kv_blocks_total": 8, "kv_blocks_free": 6,
+                "prefix_cache_hits": 0, "prefix_cache_queries": 0}
+
+
+def _with_spec(method: str, drafts: int, draft_tokens: int, accepted: int) -> dict:
+    return {**ENGINE_STATS, "spec_decode": {"method": method, "num_drafts": drafts,
+                                            "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+                                            "accepted_per_position": [0, 0, 0]}}
+
+
+def test_engine_view_shows_speculations_acceptance_while_it_is_on():
+    view = _engine_view(_with_spec("ngram", 6, 18, 10))["spec_decode"]
+    assert view == {"method": "ngram", "num_drafts": 6, "num_draft_tokens": 18, "num_accepted_tokens": 10,
+                    "acceptance_rate": 10 / 18, "accepted_per_draft": 10 / 6}
+    before_any_draft = _engine_view(_with_spec("draft", 0, 0, 0))["spec_decode"]
+    assert before_any_draft["acceptance_rate"] is None and before_any_draft["accepted_per_draft"] is None
+    assert _engine_view(_with_spec("off", 0, 0, 0))["spec_decode"] is None
+    assert _engine_view(ENGINE_STATS)["spec_decode"] is None  # a core that does not report it
+
+
+@contextlib.contextmanager
+def static_page(directory: Path, status_json: dict) -> Iterator[str]:
+    """The page and a given `/status.json` served from `directory` by a plain HTTP server; the page's
+    address."""
+    page = importlib.resources.files("gracelm.server").joinpath("static/status.html").read_text("utf-8")
+    (directory / "status.html").write_text(page, "utf-8")
+    (directory / "status.json").write_text(json.dumps(status_json), "utf-8")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args) -> None:  # the test's output stays the test's
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=directory))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/status.html"
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+def status_json(engine_stats: dict) -> dict:
+    """A ready, idle server's `/status.json` with the engine view of `engine_stats`."""
+    return {"state": "ready", "now": 1000.0, "started_at": 900.0, "uptime_s": 100.0,
+            "model": {"name": "tiny", "max_model_len": 512},
+            "requests": {"active": 0, "in_flight": 0, "max_in_flight": 8, "running": 0, "waiting": 0,
+                         "listed": [], "not_listed": 0, "admitted_by_api": {"completions": 0}},
+            "engine": _engine_view(engine_stats), "throughput": {"bucket_s": 2.0, "tokens_per_s": []},
+            "drain": None, "last_shutdown": None, "keeps_last_shutdown": False, "batches": None}
+
+
+def spec_card_class(dom: str) -> str:
+    match = re.search(r'<div class="([^"]*)" id="spec-card"', dom)
+    assert match, "no #spec-card in the DOM"
+    return match.group(1)
+
+
+@needs_chromium
+def test_chromium_shows_speculation_only_while_it_is_on(tmp_path):
+    with static_page(tmp_path, status_json(_with_spec("ngram", 6, 16, 10))) as url:
+        dom = run_chromium(url, "--dump-dom")
+    assert spec_card_class(dom) == "card on"
+    assert dom_text(dom, "spec") == "62.5%"
+    assert dom_text(dom, "spec-detail") == "ngram · 1.67 accepted tokens per step"
+    with static_page(tmp_path, status_json(_with_spec("off", 0, 0, 0))) as url:
+        dom = run_chromium(url, "--dump-dom")
+    assert spec_card_class(dom) == "card"
+    # The page rendered to its end: the last part it draws is there.
+    assert dom_text(dom, "last-summary").startswith("not kept")

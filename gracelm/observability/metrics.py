@@ -113,6 +113,13 @@ METRICS = (
              "Steps run by a compiled decode graph (docs/kernel_paths.md).", vllm=False),
     _counter("preemptions", "num_preemptions",
              "Sequences preempted (their KV cache freed, to be recomputed) for lack of KV-cache blocks."),
+    _counter("spec_drafts", "spec_decode_num_drafts",
+             "Speculative verifications: one per sequence per step that proposed at least one token."),
+    _counter("spec_draft_tokens", "spec_decode_num_draft_tokens", "Tokens proposed by speculation."),
+    _counter("spec_accepted_tokens", "spec_decode_num_accepted_tokens",
+             "Proposed tokens the target model accepted."),
+    _counter("spec_accepted_per_pos", "spec_decode_num_accepted_tokens_per_pos",
+             "Proposed tokens accepted, by their position in the draft (0: the first).", ("position",)),
     _counter("request_faults", "request_faults", "Requests ended by a fault of their own (finish_reason "
              "error; the engine served on), by stage.", ("stage",), vllm=False),
     _counter("request_rejections", "request_rejections", "Requests answered 429 because the server had "
@@ -186,7 +193,7 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.finished.labels(**self._label, finished_reason=reason)
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
-                       self.preemptions):
+                       self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens):
             metric.labels(**self._label)
 
     def _metric(self, spec: _Spec, token_buckets: tuple[int, ...]) -> _Metric:
@@ -231,6 +238,21 @@ class ServerMetrics:
                              ("prefix_cache_hits", self.prefix_hits), ("num_preemptions", self.preemptions),
                              ("compiled_steps", self.compiled_steps)):
             self._count_up(key, counter, stats.get(key, 0))
+        self._count_spec_decode(stats.get("spec_decode"))
+
+    def _count_spec_decode(self, spec: dict | None) -> None:
+        """Brings the speculative-decoding counters up to the core's running totals. None (a core without
+        speculation, an embedding model) counts nothing, as does method "off", whose totals stay 0."""
+        if spec is None:
+            return
+        for key, counter in (("num_drafts", self.spec_drafts), ("num_draft_tokens", self.spec_draft_tokens),
+                             ("num_accepted_tokens", self.spec_accepted_tokens)):
+            self._count_up(f"spec_decode:{key}", counter, spec[key])
+        for position, total in enumerate(spec["accepted_per_position"]):
+            # Created at once: a position nothing was accepted at yet reads 0 rather than being absent.
+            self.spec_accepted_per_pos.labels(**self._label, position=str(position))
+            self._count_up(f"spec_decode:accepted:{position}", self.spec_accepted_per_pos, total,
+                           position=str(position))
 
     def _count_up(self, key: str, counter: _Metric, total: int, **extra: str) -> None:
         """Brings a counter (its series with the `extra` labels) up to the engine's running total `total`

@@ -2,8 +2,9 @@
 `/status.json` every 2 s and draws its charts as inline SVG; no external asset, no build step) and
 `/status.json` (what the page shows): the server's state, uptime, model, the requests in flight with their
 progress, the requests admitted by API (chat, completions, Responses, Messages), KV-cache use, prefix-cache
-hits, output tokens per second over the last ten minutes, during a drain its deadline and what is left, the
-progress of each batch not at its end (with `--state-dir`), and the last stop's report kept in `--state-dir`.
+hits, speculative decoding's acceptance (when it is on), output tokens per second over the last ten
+minutes, during a drain its deadline and what is left, the progress of each batch not at its end (with
+`--state-dir`), and the last stop's report kept in `--state-dir`.
 
 Access follows the API key: without one both are open; with one `/status.json` needs `Authorization:
 Bearer KEY` like `/v1`, and `/status` takes the same header or `?key=KEY`, since a browser cannot send a
@@ -157,7 +158,20 @@ def _engine_view(stats: dict | None) -> dict[str, Any] | None:
     return {"core_state": stats.get("state"), "kv_usage": stats["kv_usage"],
             "kv_blocks_total": stats["kv_blocks_total"], "kv_blocks_free": stats["kv_blocks_free"],
             "prefix_cache_hits": stats.get("prefix_cache_hits", 0), "prefix_cache_queries": queries,
-            "prefix_cache_hit_rate": stats.get("prefix_cache_hits", 0) / queries if queries else None}
+            "prefix_cache_hit_rate": stats.get("prefix_cache_hits", 0) / queries if queries else None,
+            "spec_decode": _spec_decode_view(stats.get("spec_decode"))}
+
+
+def _spec_decode_view(spec: dict | None) -> dict[str, Any] | None:
+    """Speculative decoding's method and how much of what it proposed was kept, since the start; None when
+    speculation is off (or the core does not report it). The rates are None until a first draft."""
+    if spec is None or spec["method"] == "off":
+        return None
+    drafts, draft_tokens, accepted = spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]
+    return {"method": spec["method"], "num_drafts": drafts, "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "accepted_per_draft": accepted / drafts if drafts else None}
 
 
 def _drain_view(state: ServerState, engine: AsyncEngine, grace_period: float, now: float,
