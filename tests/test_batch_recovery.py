@@ -192,19 +192,24 @@ def _contents(answers: dict[str, dict]) -> dict[str, tuple[str, dict]]:
 
 def test_in_deterministic_mode_a_resumed_batch_answers_as_an_uninterrupted_one(tmp_path):
     """bfloat16, sampled lines (each with its own seed): the batch killed with -9 half-way and resumed gives,
-    line for line, the answers of the same batch run without interruption on another state dir."""
+    line for line, the answers of the same batch run without interruption on another state dir. The killed
+    and resumed servers speculate (n-grams), the uninterrupted one does not: in deterministic mode
+    speculation changes no bit either."""
     lines = chat_lines(16, max_tokens=8, ignore_eos=True, temperature=1.0)
     for i, line in enumerate(lines):
         line["body"]["seed"] = 100 + i
     mode = ("--deterministic", "--dtype", "bfloat16")
+    speculating = (*mode, "--speculative", "ngram", "--prompt-lookup-min", "1", "--speculative-max-batch", "64")
     custom_ids = [line["custom_id"] for line in lines]
     with serve(tmp_path / "whole", None, *mode) as server:
         api = client(server.url)
         whole = _contents(assert_complete(api, submit(api, jsonl(lines)).id, custom_ids))
-    server, batch_id = killed_half_way(tmp_path / "killed", lines, *mode)
+    server, batch_id = killed_half_way(tmp_path / "killed", lines, *speculating)
     assert 4 <= len(committed(tmp_path / "killed")) < len(lines)
-    with serve(tmp_path / "killed", None, *mode) as restarted:
+    with serve(tmp_path / "killed", None, *speculating) as restarted:
         resumed = _contents(assert_complete(client(restarted.url), batch_id, custom_ids))
+        metrics = httpx.get(f"{restarted.url}/metrics", timeout=30).text
+        assert metric_value(metrics, "gracelm_spec_decode_num_draft_tokens_total") > 0
     assert resumed == whole
     server.assert_nothing_left()
     assert integrity(tmp_path / "killed") == "ok"

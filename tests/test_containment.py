@@ -111,18 +111,21 @@ def test_a_fault_in_one_choice_ends_its_request_with_an_error_event_then_done(se
     assert [c["finish_reason"] for c in served.json()["choices"]] == ["length"] * 3
 
 
-def test_the_offline_engine_ends_the_faulty_request_alone(model, monkeypatch):
+@pytest.mark.parametrize("options", [{}, {"speculative": "ngram", "prompt_lookup_min": 1}],
+                         ids=["plain", "speculating"])
+def test_the_offline_engine_ends_the_faulty_request_alone(model, monkeypatch, options):
     monkeypatch.setenv("GRACELM_TEST_HOOKS", json.dumps({"test_raise_in_sampling_for_seed": FAULTY_SEED}))
     innocent = [SamplingParams(max_tokens=10, seed=7, ignore_eos=True),
                 SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # this module's server
-    with Engine(model, kv_cache_memory="4MiB", max_model_len=256, num_threads=1) as llm:
+    # Prompts that repeat themselves: speculating, the innocent rows draft beside the faulty one.
+    dog, bird = "a dog and a dog and a dog and a", "a bird, a bird, a bird, a"
+    with Engine(model, kv_cache_memory="4MiB", max_model_len=256, num_threads=1, **options) as llm:
         faulty = SamplingParams(max_tokens=10, seed=FAULTY_SEED)
-        together = llm.generate(["a dog", "the cat", "a bird"], [innocent[0], faulty, innocent[1]],
-                                use_tqdm=False)
+        together = llm.generate([dog, "the cat", bird], [innocent[0], faulty, innocent[1]], use_tqdm=False)
         assert together[1].finished and together[1].outputs[0].finish_reason == "error"
         assert together[1].outputs[0].token_ids == []
-        alone = llm.generate(["a dog", "a bird"], innocent, use_tqdm=False)
+        alone = llm.generate([dog, bird], innocent, use_tqdm=False)
         # The step that met the fault sampled the other rows again, from their own logits and generator
         # states: they got the very tokens they get without it.
         assert [o.outputs[0].token_ids for o in (together[0], together[2])] == \
@@ -131,6 +134,7 @@ def test_the_offline_engine_ends_the_faulty_request_alone(model, monkeypatch):
         assert llm.request_faults == {"sampling": 1}
         stats = llm.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert (stats["spec_decode"]["num_draft_tokens"] > 0) == bool(options)
     assert [p for p in leftover_children() if p.pid not in others] == []
     assert own_runtime_dirs() == []
 
