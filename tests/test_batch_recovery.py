@@ -199,7 +199,8 @@ def test_in_deterministic_mode_a_resumed_batch_answers_as_an_uninterrupted_one(t
     for i, line in enumerate(lines):
         line["body"]["seed"] = 100 + i
     mode = ("--deterministic", "--dtype", "bfloat16")
-    speculating = (*mode, "--speculative", "ngram", "--prompt-lookup-min", "1", "--speculative-max-batch", "64")
+    speculating = (*mode, "--speculative", "ngram", "--prompt-lookup-min", "1",
+                   "--speculative-max-batch", "64")
     custom_ids = [line["custom_id"] for line in lines]
     with serve(tmp_path / "whole", None, *mode) as server:
         api = client(server.url)
