@@ -122,7 +122,12 @@ class SchedulerOutput:
         """The step as the executor takes it: the token rows of one forward pass and, for each row that
         samples, its request's sampling inputs; then the rows of the prompt positions whose logprobs are
         asked for (those not computed before a preemption), and those of embedding requests' pooled
-        positions (likewise)."""
+        positions (likewise).
+
+        A request that drafted is laid out as one sequence of one token per position verified (its last
+        token, then each draft), each with the context up to itself: the step is a decode step of more
+        rows, which the decode kernels and the compiled decode graphs serve (the K/V of a step's tokens
+        are written before any is attended, so each row sees the rows before it)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -131,6 +136,10 @@ class SchedulerOutput:
         prompt_rows: list[PromptRows] = []
         pool_indices: list[int] = []
         pool_rows: list[PoolRows] = []
+        query_lens: list[int] = []
+        tables: list[list[int]] = []
+        prompt_lens: list[int] = []
+        seq_lens: list[int] = []
         for item in self.scheduled:
             start, end = item.start_position, item.start_position + item.num_new_tokens
             request = item.request
@@ -154,14 +163,17 @@ class SchedulerOutput:
                          for pos in range(start, end))
             if item.draws:  # the last token's row, and each draft's: the positions verified
                 logits_indices.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
-        width = max(len(item.block_ids) for item in self.scheduled)
+            sequences = range(start + 1, end + 1) if drafts else [end]  # each sequence's context after it
+            query_lens.extend([1] * len(sequences) if drafts else [item.num_new_tokens])
+            seq_lens.extend(sequences)
+            tables.extend([item.block_ids] * len(sequences))
+            prompt_lens.extend([request.num_prompt_tokens] * len(sequences))
+        width = max(len(table) for table in tables)
         batch = StepBatch(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                          query_lens=[item.num_new_tokens for item in self.scheduled],
-                          seq_lens=[item.start_position + item.num_new_tokens for item in self.scheduled],
-                          block_tables=[item.block_ids + [0] * (width - len(item.block_ids))
-                                        for item in self.scheduled],
+                          query_lens=query_lens, seq_lens=seq_lens,
+                          block_tables=[table + [0] * (width - len(table)) for table in tables],
                           logits_indices=logits_indices + prompt_indices + pool_indices,
-                          prompt_lens=[item.request.num_prompt_tokens for item in self.scheduled])
+                          prompt_lens=prompt_lens)
         sampling = [item.request for item in self.sampling]
         return ModelStep(batch, [r.request_id for r in sampling], [r.sampling_params for r in sampling],
                          [r.prompt_token_ids for r in sampling], [r.output_token_ids for r in sampling],
