@@ -254,8 +254,9 @@ DECODE_ATTENTION_CHOICES = ("auto", "fused", "unfused")
 # What a server does with its model (`model/pooling.py:task_pooling`): auto (an embedding model's files say
 # embed, else generate), generate (text), embed (vectors, /v1/embeddings).
 TASK_CHOICES = ("auto", "generate", "embed")
-# Speculative decoding (`engine/speculation.py`): off, or ngram (drafts looked up in the sequence itself).
-SPECULATIVE_CHOICES = ("off", "ngram")
+# Speculative decoding (`engine/speculation.py`): off, ngram (drafts looked up in the sequence itself) or
+# draft (drafts of a smaller model, `speculative_model`).
+SPECULATIVE_CHOICES = ("off", "ngram", "draft")
 
 
 def _cpu_features(names: list[str]) -> str | None:
@@ -321,8 +322,13 @@ class EngineConfig:
     speculative: str = option("off", "speculative decoding: ngram (prompt lookup: each step drafts the "
                                      "tokens that followed an earlier occurrence of the sequence's last "
                                      "tokens, and one forward pass verifies them; pays where answers copy "
-                                     "their input: edits, rewrites, summaries), off",
-                              choices=SPECULATIVE_CHOICES)
+                                     "their input: edits, rewrites, summaries), draft (a smaller model of "
+                                     "the same tokenizer drafts: --speculative-model), off (default; "
+                                     "draft when --speculative-model is given)", choices=SPECULATIVE_CHOICES)
+    speculative_model: str | None = option(None, "the draft model of --speculative draft: a model directory "
+                                                 "or .gguf file of the target's vocabulary, run beside it "
+                                                 "with a KV cache of its own (as many blocks as the "
+                                                 "target's)")
     num_speculative_tokens: int = option(4, "draft tokens a sequence verifies per step at most",
                                          check=at_least(1))
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up, in tokens", check=at_least(1))
@@ -366,9 +372,24 @@ class EngineConfig:
                              "ranks' collectives run on the CPU")
         self._check_kv_cache_dir()
         self._check_dense_weights()
+        self._check_speculative()
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def _check_speculative(self) -> None:
+        """A draft model means draft speculation (the default `off` becomes it); it is refused with any other
+        method, and draft speculation without one; the ranks of tensor parallelism would each need a shard of
+        it: not built, and refused by name."""
+        if self.speculative_model is not None and self.speculative == "off":
+            self.speculative = "draft"
+        if (self.speculative_model is not None) != (self.speculative == "draft"):
+            raise ValueError(f"speculative {self.speculative} (--speculative) and speculative_model "
+                             f"(--speculative-model) {self.speculative_model}: a draft model is given with, "
+                             f"and only with, --speculative draft")
+        if self.speculative == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative draft (--speculative-model) is not supported with "
+                             "tensor_parallel_size > 1 yet")
 
     def _check_dense_weights(self) -> None:
         """What needs the dense weights refuses `dense_weights off` by name: they are what tensor parallelism

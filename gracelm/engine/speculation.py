@@ -1,6 +1,9 @@
 """Speculative decoding's scheduling side: which decoding sequences draft this step, how many tokens, and
 what came of it.
 
+The drafts: n-grams looked up in the sequence itself (`ngram_proposer.py`), or a draft model's tokens, which
+the worker writes at the start of the step into the rows reserved here (`parallel/draft_model.py`).
+
 A sequence that drafts is scheduled its last token and k draft tokens in one step; the forward pass scores
 the k + 1 positions and the sampler takes them in order, keeping drafts while each equals the token the
 target model samples there (`parallel/spec_verify.py`). So a step yields 1 to k + 1 tokens, distributed as
@@ -28,11 +31,13 @@ from gracelm.engine.request import Request
 
 # The most steps a sequence sits out after drafts wholly rejected in a row.
 _MAX_BACKOFF = 16
+# What the scheduler reserves a draft model's draft rows with: the worker writes the drafts in their place.
+DRAFT_PLACEHOLDER = 0
 
 
 @dataclass
 class SpeculationConfig:
-    method: str  # "ngram"
+    method: str  # "ngram" or "draft"
     num_tokens: int  # k: draft tokens per sequence and step at most
     lookup_min: int
     lookup_max: int
@@ -72,6 +77,8 @@ class Speculation:
         k = min(self.config.num_tokens, limit)
         if k <= 0:
             return []
+        if self.config.method == "draft":  # the draft model fills them in (`parallel/draft_model.py`)
+            return [DRAFT_PLACEHOLDER] * k
         return self._proposer.propose(request.request_id, request.all_token_ids, k)
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:

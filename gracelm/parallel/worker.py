@@ -51,6 +51,7 @@ from gracelm.model.prompt_logprobs import prompt_logprobs
 from gracelm.model.sampler import SamplingMetadata, make_generator, sample
 from gracelm.model.token_constraints import ConstraintStates, has_constraints
 from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch, StepResult
+from gracelm.parallel.draft_model import DraftModel
 from gracelm.parallel.heap import keep_freed_memory, release_freed_memory
 from gracelm.parallel.layout import check_shardable, shard_config
 from gracelm.parallel.sharding import CommTimer, TensorParallelModel
@@ -91,6 +92,7 @@ class Worker:
         self._generators: dict[str, torch.Generator] = {}
         self._constraints: ConstraintStates | None = None  # made at the first constrained request
         self._default_generator = make_generator(config.seed)
+        self.draft: DraftModel | None = None  # `--speculative-model`, rank 0 only (one rank: config.py)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -127,6 +129,9 @@ class Worker:
         model = self.shard if self.shard is not None else self.loaded.model
         # Counted once: the weights do not change while serving, and counting walks every module (ms).
         self.weight_bytes = tensor_bytes(model)
+        if self.config.speculative_model is not None:
+            self.draft = DraftModel.load(self.config, self.loaded, dense_weights_for(self.config))
+            self.weight_bytes += self.draft.weight_bytes
         release_freed_memory()
         self.loaded.model.model.decode_attention = self.config.decode_attention
         if self.rank == 0:
@@ -154,6 +159,8 @@ class Worker:
             return {}
         weights = self.weight_bytes
         kv_cache = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
+        if self.draft is not None:
+            kv_cache += self.draft.kv_cache_bytes()
         resident = psutil.Process().memory_info().rss
         return {"weights": weights, "kv_cache": kv_cache, "workspace": max(0, resident - weights - kv_cache)}
 
@@ -174,7 +181,11 @@ class Worker:
             budget = int(torch.cuda.mem_get_info(self.device)[0] * _DEFAULT_GPU_KV_SHARE)
         else:
             budget = min(int(psutil.virtual_memory().available * _DEFAULT_KV_SHARE), _DEFAULT_KV_CAP)
-        return budget // self.kv_block_bytes()
+        return budget // self._block_bytes_with_draft()
+
+    def _block_bytes_with_draft(self) -> int:
+        """What one block id costs: the target's block and the draft model's, which has the same ids."""
+        return self.kv_block_bytes() + (self.draft.kv_block_bytes() if self.draft is not None else 0)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         assert self.loaded is not None
@@ -183,6 +194,8 @@ class Worker:
         self.num_kv_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.shard_config, num_blocks, self.config.block_size,
                                            self.loaded.dtype, self.device)
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks)
         if self.kv_caches:
             decode_attention.check_choice(self.config.decode_attention, self.kv_caches[0],
                                           self.config.deterministic)
@@ -195,7 +208,7 @@ class Worker:
         memory left once the weights are loaded. The node's ranks each allocate as much at once, so each
         checks for all of them."""
         local_ranks = self.world_size // self.config.nnodes
-        block = self.kv_block_bytes() * local_ranks
+        block = self._block_bytes_with_draft() * local_ranks
         workspace = self.workspace_bytes() * local_ranks
         available = available_memory()  # one reading: the figure refused and the one advised agree
         fits = max(0, available.bytes - workspace) // block * block
@@ -230,10 +243,13 @@ class Worker:
 
     @torch.inference_mode()
     def sample_step(self, step: ModelStep) -> StepResult:
-        """Rank 0: runs the forward pass of the step, samples each sampling request's token, after the
-        draft tokens it keeps when it drafted (`spec_verify.py`; a `SamplingFault` for a row whose sampling
-        raised), scores the prompt rows asked for and sums the rows that embedding requests pool (an
-        embedding model's steps have these alone)."""
+        """Rank 0: runs the forward pass of the step (after the draft model's, which fills in the draft
+        tokens, `draft_model.py`), samples each sampling request's token, after the draft tokens it keeps
+        when it drafted (`spec_verify.py`; a `SamplingFault` for a row whose sampling raised), scores the
+        prompt rows asked for and sums the rows that embedding requests pool (an embedding model's steps
+        have these alone)."""
+        if self.draft is not None:
+            step = self.draft.propose(step)
         out = self.forward(step.batch)
         assert out is not None
         num_sampling = step.num_sampling_rows
@@ -384,10 +400,13 @@ class Worker:
             self._kv_commit.stop()
             self._kv_commit = None
         self.kv_caches = []
+        if self.draft is not None:
+            self.draft.kv_caches = []
 
     def free_model(self) -> None:
         self.shard = None
         self.loaded = None
+        self.draft = None
         self._generators.clear()
         self._constraints = None
 
