@@ -329,8 +329,9 @@ class EngineConfig:
                                                  "or .gguf file of the target's vocabulary, run beside it "
                                                  "with a KV cache of its own (as many blocks as the "
                                                  "target's)")
-    num_speculative_tokens: int = option(4, "draft tokens a sequence verifies per step at most",
-                                         check=at_least(1))
+    num_speculative_tokens: int = option(8, "draft tokens a sequence verifies per step at most (each "
+                                            "sequence drafts as many as its last verifications suggest, "
+                                            "half of this at first)", check=at_least(1))
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up, in tokens", check=at_least(1))
     prompt_lookup_max: int = option(4, "ngram: the longest suffix looked up (the longest match wins)",
                                     check=at_least(1))

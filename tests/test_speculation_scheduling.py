@@ -14,7 +14,7 @@ from gracelm.arith import cdiv
 from gracelm.engine.kv_cache_manager import hash_block
 from gracelm.engine.request import Request
 from gracelm.engine.scheduler import Scheduler, SchedulerConfig
-from gracelm.engine.speculation import SpeculationConfig
+from gracelm.engine.speculation import Speculation, SpeculationConfig
 from tests.test_scheduler import (
     FakeModel,
     check_order,
@@ -188,3 +188,21 @@ def test_a_request_whose_drafts_fail_drafts_less_and_less():
         steps += 1
     stats = scheduler.stats()["spec_decode"]
     assert steps >= 48 and 0 < stats["num_drafts"] <= 8
+
+
+def test_a_sequence_drafts_as_long_as_its_verifications_suggest():
+    # Method "draft": placeholders of the length drafted, whatever the tokens.
+    speculation = Speculation(SpeculationConfig("draft", 8, 1, 3, 64))
+    request = make_request("r", [1, 2, 3], max_tokens=100)
+    assert len(speculation.draft(request, 100)) == 4  # half of the most, at first
+    speculation.record("r", 4, 4)  # kept whole: twice as long
+    assert len(speculation.draft(request, 100)) == 8
+    speculation.record("r", 8, 8)  # never more than the most
+    assert len(speculation.draft(request, 100)) == 8
+    speculation.record("r", 8, 2)  # kept in part: one more than it kept
+    assert len(speculation.draft(request, 100)) == 3
+    speculation.record("r", 3, 0)  # wholly rejected: sits out a step
+    assert speculation.draft(request, 100) == []
+    assert len(speculation.draft(request, 2)) == 2  # never more than the room
+    speculation.forget("r")
+    assert speculation.num_tracked() == 0

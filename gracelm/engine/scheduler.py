@@ -245,6 +245,7 @@ class Scheduler:
         while budget > 0:
             head = self.waiting[0] if admitting and self.waiting else None
             following = self.running[num_visited] if num_visited < len(self.running) else None
+            drafts: list[int] = []
             if head is not None and (following is None or _key(head) < _key(following)):
                 num_new = self._admit(head, budget, output)
                 if num_new is None:
@@ -255,15 +256,14 @@ class Scheduler:
                 request = following
                 num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
                 drafts = self._draft(request, num_new, budget)
-                if drafts and self.kv_cache.allocate_slots(request, num_new + len(drafts)):
-                    budget -= self._add(output, request, num_new + len(drafts), drafts)
-                    num_visited += 1
-                    continue
-                if not self._allocate_or_preempt(request, num_new, output):
-                    break  # it was the tail of `running` and preempted itself: nothing after it is left
+                # Drafts only where blocks are free: never a preemption for them.
+                if not (drafts and self.kv_cache.allocate_slots(request, num_new + len(drafts))):
+                    drafts = []
+                    if not self._allocate_or_preempt(request, num_new, output):
+                        break  # it was the tail of `running` and preempted itself: nothing after it is left
             else:
                 break
-            budget -= self._add(output, request, num_new)
+            budget -= self._add(output, request, num_new, drafts)
             num_visited += 1
         return output
 
@@ -447,13 +447,13 @@ class Scheduler:
         output.preempted_request_ids.append(victim.request_id)
 
     @staticmethod
-    def _add(output: SchedulerOutput, request: Request, num_new: int, drafts: list[int] | None = None) -> int:
-        start = request.num_computed_tokens
-        drafts = drafts or []
-        output.scheduled.append(ScheduledRequest(request, num_new, start, list(request.block_ids),
-                                                 start + num_new - len(drafts) == request.num_tokens, drafts))
-        output.total_num_scheduled_tokens += num_new
-        return num_new
+    def _add(output: SchedulerOutput, request: Request, num_new: int, drafts: list[int]) -> int:
+        """Schedules the request's `num_new` tokens, then its drafts; the budget they take."""
+        start, total = request.num_computed_tokens, num_new + len(drafts)
+        output.scheduled.append(ScheduledRequest(request, total, start, list(request.block_ids),
+                                                 start + num_new == request.num_tokens, drafts))
+        output.total_num_scheduled_tokens += total
+        return total
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         # Stop tokens first: a model that ends its answer on its last allowed token did stop.

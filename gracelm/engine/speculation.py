@@ -14,6 +14,9 @@ When it pays. Verifying k drafts costs k more rows in the step's forward pass. A
 bound by reading the weights, which the rows share; in a larger batch the CPU is busy already and wasted rows
 slow every sequence. So:
 - no sequence drafts in a step while more than `max_batch` requests run;
+- each sequence drafts as many tokens as its last verification suggests: twice the last draft after one
+  kept whole, one more than the tokens kept after one kept in part (at most `num_tokens`, and half of it
+  at first); the rows a sequence wastes follow how far its answer copies;
 - a sequence whose draft was wholly rejected sits out its next drafts, twice as many after each such miss
   in a row (up to `_MAX_BACKOFF` steps), and drafts again at once after a draft with a token accepted: the
   answer stopped or started copying its input.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gracelm.arith import cdiv
 from gracelm.engine.ngram_proposer import NgramProposer
 from gracelm.engine.request import Request
 
@@ -45,7 +49,10 @@ class SpeculationConfig:
 
 
 @dataclass
-class _Backoff:
+class _History:
+    """What a sequence's verifications so far say of its next draft."""
+
+    length: int  # of its next draft, at most
     misses: int = 0  # drafts wholly rejected in a row
     skip: int = 0  # steps left to sit out
 
@@ -57,7 +64,7 @@ class Speculation:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    _backoff: dict[str, _Backoff] = field(default_factory=dict)
+    _history: dict[str, _History] = field(default_factory=dict)
     _proposer: NgramProposer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,11 +77,11 @@ class Speculation:
 
     def draft(self, request: Request, limit: int) -> list[int]:
         """The request's draft tokens for this step, at most `limit` (the step's and the request's room)."""
-        backoff = self._backoff.get(request.request_id)
-        if backoff is not None and backoff.skip > 0:
-            backoff.skip -= 1
+        history = self._history_of(request.request_id)
+        if history.skip > 0:
+            history.skip -= 1
             return []
-        k = min(self.config.num_tokens, limit)
+        k = min(history.length, limit)
         if k <= 0:
             return []
         if self.config.method == "draft":  # the draft model fills them in (`parallel/draft_model.py`)
@@ -88,21 +95,31 @@ class Speculation:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
-        backoff = self._backoff.setdefault(request_id, _Backoff())
+        history = self._history_of(request_id)
+        if num_accepted == num_drafted:
+            history.length = min(self.config.num_tokens, 2 * num_drafted)
+        elif num_accepted:
+            history.length = num_accepted + 1
         if num_accepted:
-            backoff.misses = 0
+            history.misses = 0
             return
-        backoff.misses += 1
-        backoff.skip = min(2 ** (backoff.misses - 1), _MAX_BACKOFF)
+        history.misses += 1
+        history.skip = min(2 ** (history.misses - 1), _MAX_BACKOFF)
 
     def forget(self, request_id: str) -> None:
         """A finished request's state goes."""
         self._proposer.forget(request_id)
-        self._backoff.pop(request_id, None)
+        self._history.pop(request_id, None)
 
     def num_tracked(self) -> int:
         """Requests whose state is held (none once every request has finished)."""
-        return len(self._proposer) + len(self._backoff)
+        return len(self._proposer) + len(self._history)
+
+    def _history_of(self, request_id: str) -> _History:
+        history = self._history.get(request_id)
+        if history is None:
+            history = self._history[request_id] = _History(length=cdiv(self.config.num_tokens, 2))
+        return history
 
     def stats(self) -> dict:
         return {"method": self.config.method, "num_drafts": self.num_drafts,
