@@ -4,9 +4,11 @@ server and the offline `Engine`, on a tiny 4-bit model, the paths of other CPUs 
 For each path, a server serves one request decoding while others arrive (prompts below and above the
 short-prompt threshold, a prefix-cache hit, a request with n=2, a structured-output request beside plain
 ones), then a burst that a small KV cache must preempt; then an `Engine` runs a batch of 36 prompts of mixed
-lengths in its first step. A compiled path serves with its decode graphs loaded from the cache the suite
-built, and must have run steps through them. Every greedy answer is held to the eager dense path
-(`--quantization none --enforce-eager --decode-attention unfused`, the path's dtype): each generated
+lengths in its first step, and a few that repeat themselves, speculating (prompt lookup): its verification
+steps, decode steps of several rows per sequence, take the path as decode steps do. A compiled path
+serves with its decode graphs loaded from the cache the suite built, and must have run steps through them.
+Every greedy answer is held to the eager dense path (`--quantization none --enforce-eager --decode-attention
+unfused`, the path's dtype): each generated
 token's logprob equals the reference's within `LOGPROB_TOLERANCE`, and the reference ranks the token within
 `GAP_TOLERANCE` of its best. Nothing of a server may be left after its stop, in TMPDIR neither.
 
@@ -42,6 +44,8 @@ BLOCK_BYTES = {"bfloat16": 2 * 2 * 2 * 16 * 64 * 2, "float32": 2 * 2 * 2 * 16 * 
 GREEDY = {"temperature": 0.0, "logprobs": 1, "extra_body": {"return_tokens_as_token_ids": True,
                                                            "ignore_eos": True}}
 RAN: list[str] = []
+# The Engine phase speculates (n-grams), whatever its batch: its verification steps take the path too.
+SPECULATING = {"speculative": "ngram", "prompt_lookup_min": 1, "speculative_max_batch": 64}
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -228,17 +232,28 @@ def test_a_path_serves_concurrent_mixed_work_as_the_dense_path_does(path: Kernel
         if path.options.get("dense_weights") == "on":  # prompts of >= 16 tokens took the dense copy
             assert "/dense-" in paths["linear"], paths
     assert_like_reference(references[dtype_of(path)], answers)
-    with Engine(str(matrix_gguf()), **kwargs) as llm:
+    with Engine(str(matrix_gguf()), **kwargs, **SPECULATING) as llm:
         prompts = [prompt(4 + (i * 7) % 40, 100 + i) for i in range(36)]  # 4 to 43 tokens: both sides of 16
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0,
-                                                       logprobs=0), use_tqdm=False)
-        batch = [(p, out.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(out.outputs[0].token_ids,
-                                                                                out.outputs[0].logprobs,
-                                                                                strict=True)])
-                 for p, out in zip(prompts, outputs, strict=True)]
-        assert llm.stats()["kernel_paths"] == paths
+        batch = greedy_engine_answers(llm, prompts, 12)
+        # Verification steps: phrases said again, so that prompt lookup drafts and some drafts are kept.
+        batch += greedy_engine_answers(llm, [prompt(5 + i, 200 + i) * 3 for i in range(4)], 24)
+        stats = llm.stats()
+        assert stats["kernel_paths"] == paths
+        assert stats["spec_decode"]["num_accepted_tokens"] > 0
     assert_like_reference(references[dtype_of(path)], batch)
     RAN.append(f"{path.name} ({', '.join(f'{part} {name}' for part, name in sorted(paths.items()))})")
+
+
+def greedy_engine_answers(llm: Engine, prompts: list[list[int]], max_tokens: int
+                          ) -> list[tuple[list[int], list[int], list[float]]]:
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                                                   logprobs=0), use_tqdm=False)
+    answers = []
+    for p, out in zip(prompts, outputs, strict=True):
+        tokens = out.outputs[0].token_ids
+        logprobs = [at[t].logprob for t, at in zip(tokens, out.outputs[0].logprobs, strict=True)]
+        answers.append((p, tokens, logprobs))
+    return answers
 
 
 def compiled_path_args() -> list[str]:
