@@ -16,7 +16,7 @@ import pytest
 
 from gracelm.engine.frontend import check_prompt
 from gracelm.engine.request import Request, RequestStatus
-from gracelm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from gracelm.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from gracelm.model_step import SampledToken
 from gracelm.sampling_params import SamplingParams
 
@@ -94,8 +94,10 @@ def check_order(scheduler: Scheduler) -> None:
 
 
 def run(scheduler: Scheduler, arrivals: dict[int, list[Request]], model: FakeModel | None = None,
-        max_steps: int = 5000) -> dict[str, int]:
-    """Drives the scheduler to the end; returns how often each request was preempted.
+        max_steps: int = 5000, after_step: Callable[[list[RequestUpdate]], None] = lambda updates: None
+        ) -> dict[str, int]:
+    """Drives the scheduler to the end; returns how often each request was preempted. `after_step` sees
+    each step's updates.
 
     Pass the model that ran the scheduler's earlier steps: its slots are the cache they filled.
     """
@@ -108,7 +110,7 @@ def run(scheduler: Scheduler, arrivals: dict[int, list[Request]], model: FakeMod
             check_step(scheduler.config, output)
             for request_id in output.preempted_request_ids:
                 preemptions[request_id] = preemptions.get(request_id, 0) + 1
-            scheduler.update_from_output(output, model.step(output))
+            after_step(scheduler.update_from_output(output, model.step(output)))
             check_order(scheduler)
         step += 1
         assert step < max_steps, "the scheduler stopped making progress"

@@ -13,17 +13,16 @@ import pytest
 from gracelm.arith import cdiv
 from gracelm.engine.kv_cache_manager import hash_block
 from gracelm.engine.request import Request
-from gracelm.engine.scheduler import Scheduler, SchedulerConfig
+from gracelm.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from gracelm.engine.speculation import Speculation, SpeculationConfig
 from tests.test_scheduler import (
     FakeModel,
-    check_order,
-    check_step,
     config,
     copy_request,
     finish,
     make_request,
     next_token,
+    run,
     workload,
 )
 
@@ -46,24 +45,20 @@ def speculating(cfg: SchedulerConfig, max_batch: int = 64, k: int = 4) -> Schedu
 
 
 def drive(scheduler: Scheduler, arrivals: dict[int, list[Request]], model: FakeModel) -> list[list]:
-    """Runs to the end; returns each step's updates. Checks the budget, the order, that a request that took
-    tokens has all but the newest computed, and that none holds a block past its next token's (rejected
-    drafts' blocks are freed)."""
-    steps, step = [], 0
-    while scheduler.has_unfinished_requests() or any(s >= step for s in arrivals):
-        for request in arrivals.get(step, []):
-            scheduler.add_request(request)
-        if scheduler.has_unfinished_requests():
-            output = scheduler.schedule()
-            check_step(scheduler.config, output)
-            steps.append(scheduler.update_from_output(output, model.step(output)))
-            check_order(scheduler)
-            sampled = {update.request_id for update in steps[-1]}
-            for request in scheduler.running:
-                assert len(request.block_ids) <= cdiv(request.num_computed_tokens + 1, model.block_size)
-                if request.request_id in sampled:  # the kept drafts' KV counts: only the new token is not
-                    assert request.num_computed_tokens == request.num_tokens - 1
-        step += 1
+    """Runs to the end (test_scheduler's `run`: the budget, the order, no block left); returns each step's
+    updates. Checks after each step that a request that took tokens has all but the newest computed, and
+    that none holds a block past its next token's (rejected drafts' blocks are freed)."""
+    steps: list[list[RequestUpdate]] = []
+
+    def check(updates: list[RequestUpdate]) -> None:
+        steps.append(updates)
+        sampled = {update.request_id for update in updates}
+        for request in scheduler.running:
+            assert len(request.block_ids) <= cdiv(request.num_computed_tokens + 1, model.block_size)
+            if request.request_id in sampled:  # the kept drafts' KV counts: only the new token is not
+                assert request.num_computed_tokens == request.num_tokens - 1
+
+    run(scheduler, arrivals, model, after_step=check)
     return steps
 
 
