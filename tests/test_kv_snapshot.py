@@ -195,11 +195,18 @@ def test_manager_lists_by_recency_and_restores_in_lru_order():
 
 # -- restarts of a real engine -------------------------------------------------------------------------
 
-def test_restart_restores_the_prefix_cache(model, kv_dir):
+@pytest.mark.parametrize("speculation", ["off", "ngram", "draft"])
+def test_restart_restores_the_prefix_cache(model, kv_dir, speculation):
+    """Speculating too: with a draft model the restored blocks hold the target's KV alone (the draft
+    model's cache there is empty), which costs drafts, never tokens (deterministic mode: the same bits)."""
+    options = {"off": {}, "ngram": {"speculative": "ngram", "prompt_lookup_min": 1},
+               "draft": {"speculative_model": model, "deterministic": True}}[speculation]
     prompt = _prompt(1)
-    cold, warm = _saved(model, kv_dir, prompt)
+    cold, warm = _saved(model, kv_dir, prompt, **options)
     assert snap.snapshot_files(kv_dir) == [_snapshot_file(kv_dir)]
-    result, before, after = _restarted(model, kv_dir, prompt)
+    result, before, after = _restarted(model, kv_dir, prompt, **options)
+    if speculation == "draft":
+        assert after["spec_decode"]["num_draft_tokens"] > 0
     assert before["kv_restored_blocks"] >= PREFIX_TOKENS // 16
     assert after["kv_restored_block_hits"] == PREFIX_TOKENS // 16
     assert after["prefix_cache_hits"] == (PREFIX_TOKENS // 16) * 16
