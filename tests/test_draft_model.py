@@ -100,3 +100,28 @@ def test_a_draft_model_of_another_vocabulary_is_refused_naming_both():
 def test_inconsistent_speculation_options_are_refused(options, named):
     with pytest.raises(ValueError, match=named):
         Engine(str(tiny_model("llama")), **options)
+
+
+def test_a_draft_model_drafts_through_its_compiled_decode_graphs(graph_cache):
+    """On the first compiled path this machine runs (the path matrix's 4-bit model, its graphs built by the
+    suite): the draft model's passes after its first are decode steps, which its own graphs serve; the
+    target drafting for itself keeps nearly every greedy draft, and answers as without speculation."""
+    from tests.kernel_paths import PATHS, matrix_gguf
+
+    path = next((p for p in PATHS if p.compiled and p.why_not_here() is None), None)
+    if path is None:
+        pytest.skip("no compiled path runs here")
+    gguf, options = str(matrix_gguf()), {"max_model_len": 256, "num_threads": 1, **path.engine_options()}
+    prompts = [[7 + i, 30, 31, 32, 33, 34, 35] * 3 for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with Engine(gguf, **options) as llm:
+        plain = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    with Engine(gguf, **options, speculative_model=gguf, speculative_max_batch=64) as llm:
+        spec = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.stats()
+    assert stats["kernel_paths"]["draft_decode_graph"] == "compiled"
+    assert stats["kernel_paths"]["decode_graph"] == "compiled"
+    drafted = stats["spec_decode"]
+    assert drafted["num_accepted_tokens"] >= 0.9 * drafted["num_draft_tokens"] > 0
+    assert spec == plain
+    assert_nothing_left()

@@ -99,7 +99,8 @@ METRICS = (
     _gauge("core_state", "engine_core_state",
            "1 for the engine core's shutdown state (running, requested, shutting_down).", ("state",)),
     _gauge("kernel_path", "kernel_path", "1 for the kernel path each part of a step takes now (part: linear, "
-           "decode_attention, decode_graph; docs/kernel_paths.md).", ("part", "path")),
+           "decode_attention, decode_graph, a draft model's draft_decode_graph; docs/kernel_paths.md).",
+           ("part", "path")),
     _gauge("memory", "memory_bytes", "Bytes the engine core (rank 0) holds, by part: weights (every form "
            "loaded), kv_cache, and workspace (the rest of its resident memory).", ("part",)),
     _gauge("startup_phase", "startup_phase_seconds",

@@ -64,9 +64,18 @@ class DraftModel:
                 f"{loaded.config.vocab_size} tokens, the target {target.name} one of "
                 f"{target.config.vocab_size}: a draft model must share the target's tokenizer")
         loaded.freeze()
+        loaded.model.model.decode_attention = config.decode_attention
         logger.info("draft model %s loaded for speculative decoding (%d layers)", loaded.name,
                     loaded.config.num_hidden_layers)
         return cls(loaded, config.block_size)
+
+    @staticmethod
+    def config_of(config: EngineConfig) -> EngineConfig:
+        """The engine's options as they apply to the draft model alone (what its decode graphs' compiler
+        loads)."""
+        assert config.speculative_model is not None
+        return dataclasses.replace(config, model=config.speculative_model, speculative_model=None,
+                                   speculative="off")
 
     def kv_block_bytes(self) -> int:
         return kv_cache_bytes_per_block(self.loaded.config, self.block_size, self.loaded.dtype)

@@ -66,6 +66,7 @@ class Executor:
         self.send_s = 0.0
         self._timer: CommTimer | None = None  # rank 0's collective time, kept past the model's release
         self.graph_build: DecodeGraphBuild | None = None  # one rank only: `decode_graph_build.py`
+        self.draft_graph_build: DecodeGraphBuild | None = None  # a draft model's (`draft_model.py`)
         if self.layout.world_size > 1:
             check_parallel_config(config)
             try:
@@ -109,11 +110,21 @@ class Executor:
         self.ledger.acquire(ResourceKind.KV_CACHE, f"{num_blocks} blocks, rank 0", self._driver.free_kv_cache)
         if self._group is not None:
             self._group.gather(m.KVCacheReady, RENDEZVOUS_TIMEOUT_S)
-        elif graph_applies(self.config, self._driver.loaded, self.layout.world_size):
-            self.graph_build = DecodeGraphBuild(self.config, self._driver.loaded, self._driver.weight_bytes,
-                                               self.ledger)
+        else:
+            self._build_graphs()
         self._warm_up(num_blocks)
         self._driver.commit_kv_cache()
+
+    def _build_graphs(self) -> None:
+        """The compiled decode steps of the model, and of a draft model (its passes after its first are
+        decode steps of one row per drafting sequence), each where they apply."""
+        if graph_applies(self.config, self._driver.loaded, self.layout.world_size):
+            self.graph_build = DecodeGraphBuild(self.config, self._driver.loaded, self._driver.weight_bytes,
+                                               self.ledger)
+        draft = self._driver.draft
+        if draft is not None and graph_applies(self.config, draft.loaded, self.layout.world_size):
+            self.draft_graph_build = DecodeGraphBuild(draft.config_of(self.config), draft.loaded,
+                                                     draft.weight_bytes, self.ledger)
 
     def _warm_up(self, num_blocks: int) -> None:
         """The first steps, on every rank, before the core says Ready (`warmup.py`): after the compiled
@@ -130,8 +141,9 @@ class Executor:
         request ends), and the prompt logprobs of `step.prompt_rows` (rank 0 has the gathered logits of
         every row)."""
         if self._group is None:
-            if self.graph_build is not None:
-                self.graph_build.poll()
+            for build in (self.graph_build, self.draft_graph_build):
+                if build is not None:
+                    build.poll()
             return self._driver.sample_step(step)
         started = time.perf_counter()
         step.batch.sent_at = time.time()
@@ -149,9 +161,12 @@ class Executor:
             raise death from e
 
     def kernel_paths(self) -> dict[str, str]:
-        """Rank 0's kernels, and whether its decode steps run compiled (`decode_graph_build.py`)."""
-        graph = "eager" if self.graph_build is None else self.graph_build.status()
-        return {**self._driver.kernel_paths(), "decode_graph": graph}
+        """Rank 0's kernels, and whether its decode steps run compiled (`decode_graph_build.py`), a draft
+        model's too."""
+        paths = {**self._driver.kernel_paths(), "decode_graph": _status(self.graph_build)}
+        if self._driver.draft is not None:
+            paths["draft_decode_graph"] = _status(self.draft_graph_build)
+        return paths
 
     def memory_use(self) -> dict[str, int]:
         """Rank 0's memory by part (`Worker.memory_use`)."""
@@ -258,3 +273,7 @@ class Executor:
 def _worker_resources(rank: int, report: dict) -> list[ResourceReport]:
     return [ResourceReport(ResourceKind(r["kind"]), f"rank {rank}: {r['name']}", Outcome(r["outcome"]),
                            r["ms"], r["error"], r["released_at"]) for r in report["resources"]]
+
+
+def _status(build: DecodeGraphBuild | None) -> str:
+    return "eager" if build is None else build.status()

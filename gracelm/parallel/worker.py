@@ -131,7 +131,6 @@ class Worker:
         self.weight_bytes = tensor_bytes(model)
         if self.config.speculative_model is not None:
             self.draft = DraftModel.load(self.config, self.loaded, dense_weights_for(self.config))
-            self.weight_bytes += self.draft.weight_bytes
         release_freed_memory()
         self.loaded.model.model.decode_attention = self.config.decode_attention
         if self.rank == 0:
@@ -160,6 +159,7 @@ class Worker:
         weights = self.weight_bytes
         kv_cache = sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
         if self.draft is not None:
+            weights += self.draft.weight_bytes
             kv_cache += self.draft.kv_cache_bytes()
         resident = psutil.Process().memory_info().rss
         return {"weights": weights, "kv_cache": kv_cache, "workspace": max(0, resident - weights - kv_cache)}
