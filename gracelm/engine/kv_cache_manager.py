@@ -134,13 +134,15 @@ class KVCacheManager:
     def trim(self, request: Request, num_tokens: int) -> None:
         """Frees the request's blocks past those its first `num_tokens` tokens take: the blocks that held
         only rejected draft positions (`speculation.py`). Taken in this step, they are the request's alone
-        and hold nothing registered (only blocks full of computed tokens are)."""
+        and hold nothing registered (only blocks full of computed tokens are). They go back to the head of
+        the free list, in the order they were taken: the next blocks taken are the ones plain decoding
+        would have taken, and a sequence's blocks stay as close together in memory."""
         keep = cdiv(num_tokens, self.block_size)
         while len(request.block_ids) > keep:
             block = request.block_ids.pop()
             assert self._ref_counts[block] == 1 and self._block_hash[block] is None
             self._ref_counts[block] = 0
-            self._free.append(block)
+            self._free.appendleft(block)
 
     def free(self, request: Request) -> None:
         """Drops the request's references; its cached blocks stay reusable until evicted."""
