@@ -335,9 +335,10 @@ class EngineConfig:
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up, in tokens", check=at_least(1))
     prompt_lookup_max: int = option(4, "ngram: the longest suffix looked up (the longest match wins)",
                                     check=at_least(1))
-    speculative_max_batch: int = option(8, "speculate only while at most this many requests run: larger "
-                                           "batches keep the CPU busy, and verifying drafts would slow them",
-                                        check=at_least(1))
+    speculative_max_batch: int = option(16, "speculate only while at most this many requests run (below it, "
+                                            "a sequence drafts while it keeps enough of its drafts for the "
+                                            "batch's size): larger batches keep the CPU busy, and verifying "
+                                            "drafts would slow them", check=at_least(1))
     mask_cpu_features: list[str] = option(
         [], f"CPU features to choose every path as if this CPU lacked: {', '.join(cpu_features.MASKABLE)} "
             "(each masks those built on it too; amx runs a Zen 4's paths on a Sapphire Rapids, avx512 an "

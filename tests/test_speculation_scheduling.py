@@ -185,19 +185,20 @@ def test_a_request_whose_drafts_fail_drafts_less_and_less():
     assert steps >= 48 and 0 < stats["num_drafts"] <= 8
 
 
-def test_a_sequence_drafts_as_long_as_its_verifications_suggest():
+def test_a_sequence_drafts_as_long_and_as_often_as_its_verifications_suggest():
     # Method "draft": placeholders of the length drafted, whatever the tokens.
     speculation = Speculation(SpeculationConfig("draft", 8, 1, 3, 64))
     request = make_request("r", [1, 2, 3], max_tokens=100)
-    assert len(speculation.draft(request, 100)) == 4  # half of the most, at first
+    assert len(speculation.draft(request, 100, 1)) == 4  # half of the most, at first
     speculation.record("r", 4, 4)  # kept whole: twice as long
-    assert len(speculation.draft(request, 100)) == 8
+    assert len(speculation.draft(request, 100, 1)) == 8
     speculation.record("r", 8, 8)  # never more than the most
-    assert len(speculation.draft(request, 100)) == 8
-    speculation.record("r", 8, 2)  # kept in part: one more than it kept
-    assert len(speculation.draft(request, 100)) == 3
+    assert len(speculation.draft(request, 100, 8)) == 8
+    speculation.record("r", 8, 2)  # kept in part: one more than it kept; its share kept (1 + 1/4) / 2
+    assert speculation.draft(request, 100, 8) == []  # beside 7 others, a share of 0.67 is needed
+    assert len(speculation.draft(request, 100, 4)) == 3  # beside 3, 0.5
     speculation.record("r", 3, 0)  # wholly rejected: sits out a step
-    assert speculation.draft(request, 100) == []
-    assert len(speculation.draft(request, 2)) == 2  # never more than the room
+    assert speculation.draft(request, 100, 1) == []
+    assert len(speculation.draft(request, 2, 1)) == 2  # never more than the room
     speculation.forget("r")
     assert speculation.num_tracked() == 0

@@ -279,7 +279,7 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - len(request.output_token_ids) - 1)
-        return speculation.draft(request, room)
+        return speculation.draft(request, room, len(self.running))
 
     def update_from_output(self, output: SchedulerOutput, sampled: list[list[SampledToken | SamplingFault]],
                            prompt_logprobs: dict[str, PromptLogprobs] | None = None,

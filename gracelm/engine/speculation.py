@@ -12,8 +12,12 @@ plain decoding would give them, and the rejected positions' KV entries are never
 
 When it pays. Verifying k drafts costs k more rows in the step's forward pass. At few sequences a step is
 bound by reading the weights, which the rows share; in a larger batch the CPU is busy already and wasted rows
-slow every sequence. So:
+slow every sequence. A step of B sequences costs about what B + `_STEP_ROWS` rows would at the margin, so a
+draft token kept saves a token's share of the step, (B + `_STEP_ROWS`) / B rows, and one rejected costs a
+row: drafting pays while the share of its draft tokens a sequence keeps is above B / (B + `_STEP_ROWS`). So:
 - no sequence drafts in a step while more than `max_batch` requests run;
+- a sequence drafts only while the share of draft tokens it kept lately (halved in weight at each
+  verification) is above that bound for the requests running now: above 0.2 alone, 0.67 beside 7 others;
 - each sequence drafts as many tokens as its last verification suggests: twice the last draft after one
   kept whole, one more than the tokens kept after one kept in part (at most `num_tokens`, and half of it
   at first); the rows a sequence wastes follow how far its answer copies;
@@ -35,6 +39,9 @@ from gracelm.engine.request import Request
 
 # The most steps a sequence sits out after drafts wholly rejected in a row.
 _MAX_BACKOFF = 16
+# A step's cost beside its rows, in rows (see the module's docstring): set so that open-ended answers at 8
+# sequences, which keep about 60 % of their drafts, do not draft (bench/RESULTS.md, "Speculative decoding").
+_STEP_ROWS = 4
 # What the scheduler reserves a draft model's draft rows with: the worker writes the drafts in their place.
 DRAFT_PLACEHOLDER = 0
 
@@ -53,6 +60,7 @@ class _History:
     """What a sequence's verifications so far say of its next draft."""
 
     length: int  # of its next draft, at most
+    kept: float = 1.0  # the share of draft tokens it kept lately: each verification's share weighs half
     misses: int = 0  # drafts wholly rejected in a row
     skip: int = 0  # steps left to sit out
 
@@ -75,11 +83,14 @@ class Speculation:
         """Whether sequences may draft in a step while `num_running` requests run."""
         return num_running <= self.config.max_batch
 
-    def draft(self, request: Request, limit: int) -> list[int]:
-        """The request's draft tokens for this step, at most `limit` (the step's and the request's room)."""
+    def draft(self, request: Request, limit: int, num_running: int) -> list[int]:
+        """The request's draft tokens for this step, at most `limit` (the step's and the request's room),
+        while `num_running` requests run."""
         history = self._history_of(request.request_id)
         if history.skip > 0:
             history.skip -= 1
+            return []
+        if history.kept <= num_running / (num_running + _STEP_ROWS):
             return []
         k = min(history.length, limit)
         if k <= 0:
@@ -96,6 +107,7 @@ class Speculation:
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
         history = self._history_of(request_id)
+        history.kept = (history.kept + num_accepted / num_drafted) / 2
         if num_accepted == num_drafted:
             history.length = min(self.config.num_tokens, 2 * num_drafted)
         elif num_accepted:
