@@ -57,6 +57,14 @@ class ModelStep:
         """The logits rows the sampling requests take: one each, and one per draft token."""
         return len(self.request_ids) + sum(len(drafts) for drafts in self.draft_token_ids)
 
+    def own_rows(self) -> list[int]:
+        """Each sampling request's own logits row (of its last token): its draft tokens' rows follow it."""
+        rows, row = [], 0
+        for index in range(len(self.request_ids)):
+            rows.append(row)
+            row += 1 + (len(self.draft_token_ids[index]) if self.draft_token_ids else 0)
+        return rows
+
 
 @dataclass
 class PoolRows:

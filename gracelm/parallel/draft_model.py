@@ -91,8 +91,9 @@ class DraftModel:
     def propose(self, step: ModelStep) -> ModelStep:
         """Runs the step's tokens through the draft model and drafts each drafting sequence's tokens; the
         step with them in its batch and its `draft_token_ids`."""
-        drafting = _drafting(step)
-        logits = self._forward(_first_pass(step, drafting, self.block_size))
+        sequences = _sequence_of_rows(step.batch)
+        drafting = _drafting(step, sequences)
+        logits = self._forward(_first_pass(step, sequences, drafting, self.block_size))
         if not drafting:
             return step
         drafts = [[int(token)] for token in logits.argmax(-1).tolist()]
@@ -108,16 +109,16 @@ class DraftModel:
         return self.loaded.model(ForwardBatch.from_step_batch(batch, self.loaded.device), self.kv_caches)
 
 
-def _drafting(step: ModelStep) -> list[_Drafting]:
-    """The step's drafting sequences, from the logits rows: each sampling request's own row is followed by
-    its draft rows (`ModelStep.draft_token_ids`)."""
-    drafting, row = [], 0
-    sequences = _sequence_of_rows(step.batch)
-    for index, drafts in enumerate(step.draft_token_ids):
+def _drafting(step: ModelStep, sequences: list[int]) -> list[_Drafting]:
+    """The step's drafting sequences, from the logits rows (`ModelStep.own_rows`); `sequences`: each row's
+    sequence (`_sequence_of_rows`)."""
+    drafting: list[_Drafting] = []
+    if not step.draft_token_ids:  # a step that drafts nothing (the start-up's warm-up) may leave them out
+        return drafting
+    for index, (row, drafts) in enumerate(zip(step.own_rows(), step.draft_token_ids, strict=True)):
         own = step.batch.logits_indices[row]
         if drafts:
             drafting.append(_Drafting(sequences[own], own + 1, len(drafts), index))
-        row += 1 + len(drafts)
     return drafting
 
 
@@ -125,29 +126,28 @@ def _sequence_of_rows(batch: StepBatch) -> list[int]:
     return [sequence for sequence, count in enumerate(batch.query_lens) for _ in range(count)]
 
 
-def _lookbacks(step: ModelStep, block_size: int) -> dict[int, tuple[int, int, int]]:
+def _lookbacks(step: ModelStep, sequences: list[int], block_size: int) -> dict[int, tuple[int, int, int]]:
     """(token, position, slot) of the position before each decoding sequence's token: the draft model
     computes it again. A draft kept whole ends with a token the draft model drafted but never ran (the
     target's next token follows it), and this fills that hole at the next step, drafting or not."""
-    batch, sequences, lookbacks, row = step.batch, _sequence_of_rows(step.batch), {}, 0
-    for index, drafts in enumerate(step.draft_token_ids or [[] for _ in step.request_ids]):
+    batch, lookbacks = step.batch, {}
+    for index, row in enumerate(step.own_rows()):
         own = batch.logits_indices[row]
         sequence, position = sequences[own], batch.positions[own]
         if batch.query_lens[sequence] == 1 and position >= 1:
-            tokens = step.prompt_token_ids[index] + step.output_token_ids[index]
-            before = position - 1
+            before, prompt, output = position - 1, step.prompt_token_ids[index], step.output_token_ids[index]
+            token = prompt[before] if before < len(prompt) else output[before - len(prompt)]
             slot = batch.block_tables[sequence][before // block_size] * block_size + before % block_size
-            lookbacks[sequence] = (tokens[before], before, slot)
-        row += 1 + len(drafts)
+            lookbacks[sequence] = (token, before, slot)
     return lookbacks
 
 
-def _first_pass(step: ModelStep, drafting: list[_Drafting], block_size: int) -> StepBatch:
+def _first_pass(step: ModelStep, sequences: list[int], drafting: list[_Drafting], block_size: int
+                ) -> StepBatch:
     """The step's batch as the draft model runs it first: without the draft rows (each a sequence of its
     own, `SchedulerOutput.model_step`), with each decoding sequence's previous position (`_lookbacks`), its
     logits rows each drafting sequence's last token."""
-    batch, lookbacks = step.batch, _lookbacks(step, block_size)
-    sequences = _sequence_of_rows(batch)
+    batch, lookbacks = step.batch, _lookbacks(step, sequences, block_size)
     dropped = {sequences[d.first_draft_row + i] for d in drafting for i in range(d.num_drafts)}
     kept = [sequence for sequence in range(len(batch.query_lens)) if sequence not in dropped]
     input_ids, positions, slots, query_lens, last_rows = [], [], [], [], {}

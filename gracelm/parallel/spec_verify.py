@@ -37,7 +37,7 @@ def verify(logits: torch.Tensor, step: ModelStep, sample_rows: SampleRows) -> li
     drafts = step.draft_token_ids or [[] for _ in step.request_ids]
     if not any(drafts):
         return [[token] for token in sample_rows(logits, step)]
-    firsts = _first_rows(drafts)
+    firsts = step.own_rows()
     runs: list[list[Sampled]] = [[] for _ in drafts]
     live = list(range(len(drafts)))
     position = 0
@@ -52,15 +52,6 @@ def verify(logits: torch.Tensor, step: ModelStep, sample_rows: SampleRows) -> li
                 kept.append(i)
         live, position = kept, position + 1
     return runs
-
-
-def _first_rows(drafts: list[list[int]]) -> list[int]:
-    """Each request's own logits row: its drafts' rows follow it."""
-    firsts, row = [], 0
-    for request_drafts in drafts:
-        firsts.append(row)
-        row += 1 + len(request_drafts)
-    return firsts
 
 
 def _at_position(step: ModelStep, requests: list[int], position: int) -> ModelStep:
