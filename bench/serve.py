@@ -170,10 +170,19 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
                     json_fraction: float | None = None) -> dict:
     """Runs every prompt with `concurrency` clients at once; returns the level's summary. With
     `json_fraction`, that share of the requests is under `RESPONSE_FORMAT`, and all ignore EOS."""
-    queue: asyncio.Queue[tuple[str, dict | None]] = asyncio.Queue()
-    for i, prompt in enumerate(prompts):
-        queue.put_nowait((prompt, None if json_fraction is None else _mix_extra(i, json_fraction)))
-    results: list[RequestResult] = []
+    extras = [None if json_fraction is None else _mix_extra(i, json_fraction) for i in range(len(prompts))]
+    results, duration = await run_requests(base_url, model, prompts, concurrency, load, extras)
+    return {**summarize(results, duration, concurrency), "json_schema_fraction": json_fraction}
+
+
+async def run_requests(base_url: str, model: str, prompts: list[str], concurrency: int, load: Load,
+                       extras: list[dict | None] | None = None) -> tuple[list[RequestResult], float]:
+    """Every prompt (with its extra body fields, if any) through `concurrency` clients at once: each
+    request's result, in the prompts' order, and the wall time of them all."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(len(prompts)):
+        queue.put_nowait(index)
+    results: list[RequestResult] = [RequestResult(ok=False, error="not run")] * len(prompts)
     # A connection per request: llama-server closes a kept-alive connection after some streamed answers,
     # and the next request sent on it fails at once without reaching the server.
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
@@ -181,13 +190,14 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
                                      timeout=aiohttp.ClientTimeout(total=600)) as client:
         async def worker() -> None:
             while not queue.empty():
-                prompt, extra = queue.get_nowait()
-                results.append(await one_request(client, model, prompt, load, extra))
+                index = queue.get_nowait()
+                extra = extras[index] if extras is not None else None
+                results[index] = await one_request(client, model, prompts[index], load, extra)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         duration = time.perf_counter() - start
-    return {**summarize(results, duration, concurrency), "json_schema_fraction": json_fraction}
+    return results, duration
 
 
 def _mix_extra(index: int, fraction: float) -> dict:

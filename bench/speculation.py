@@ -44,7 +44,6 @@ acceptance; then the issue's aims: >= 1.8x output tokens/s at c=1 on `grounded`,
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import re
@@ -64,13 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import (  # noqa: E402  (bench/ is not a package)
     TOPICS,
     Load,
-    RequestResult,
     Server,
     default_gguf,
     gracelm_server,
-    one_request,
     percentile,
     print_table,
+    run_requests,
     summarize,
 )
 
@@ -286,23 +284,9 @@ class Workload:
 # -- one server's load ----------------------------------------------------------------------------------
 
 async def run_workload(base_url: str, model: str, prompts: list[str], concurrency: int, load: Load) -> dict:
-    """Every prompt with `concurrency` streaming clients at once (bench/serve.py's `run_level`, keeping each
-    request's result in prompt order): the level's summary, its TPOT p50 and each request's output tokens."""
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for index in range(len(prompts)):
-        queue.put_nowait(index)
-    results: list[RequestResult] = [RequestResult(ok=False, error="not run")] * len(prompts)
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
-    async with aiohttp.ClientSession(base_url, connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=600)) as client:
-        async def worker() -> None:
-            while not queue.empty():
-                index = queue.get_nowait()
-                results[index] = await one_request(client, model, prompts[index], load)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        duration = time.perf_counter() - start
+    """Every prompt with `concurrency` streaming clients at once (bench/serve.py's `run_requests`): the
+    level's summary, its TPOT p50 and each request's output tokens, in prompt order."""
+    results, duration = await run_requests(base_url, model, prompts, concurrency, load)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in results if r.ok and r.output_tokens > 1]
     return {**summarize(results, duration, concurrency), "tpot_p50_ms": 1000 * percentile(tpots, 50),
             "request_tokens": [r.output_tokens if r.ok else None for r in results]}
