@@ -30,7 +30,7 @@ from gracelm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from gracelm.model.attention import AttentionMetadata, LayerAttention, soft_cap
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.gemma_config import ACTIVATION
-from gracelm.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from gracelm.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, rms_normalised
 from gracelm.model.rope import inverse_frequencies, rope_cos_sin
 
 GRAPH_REFUSAL = ("Gemma's layers (soft-capped scores, sliding windows, two ropes) are not in the compiled "
@@ -47,9 +47,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return (rms_normalised(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GemmaAttention(LlamaAttention):

@@ -45,6 +45,12 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ACTIVATIONS = ("silu",)
 
 
+def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x` over the root mean square of its last dimension, in float32 (every family's norms scale this)."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """Normalises in float32 and scales in the input dtype, as transformers does."""
 
@@ -54,9 +60,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * rms_normalised(x, self.eps).to(x.dtype)
 
 
 class FrozenLinear(nn.Module):
