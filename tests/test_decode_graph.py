@@ -171,6 +171,32 @@ def test_a_graph_that_computes_otherwise_or_raises_fails_its_check(compiled) -> 
     assert model.model.decode_graphs == [] and model.model.decode_graph_failure is None
 
 
+class ServesNothing(DecodeGraph):
+    def serves(self, batch: ForwardBatch) -> bool:
+        return False
+
+
+class ServesMixedSteps(DecodeGraph):
+    """Takes every step, a prompt's rows too: its own decode steps as the graph computes them."""
+
+    def serves(self, batch: ForwardBatch) -> bool:
+        return True
+
+    def __call__(self, x: torch.Tensor, *args) -> torch.Tensor:
+        return super().__call__(x, *args) if x.shape[0] <= 3 else torch.zeros_like(x)
+
+
+def test_a_graph_that_skips_its_own_steps_or_takes_mixed_ones_fails_its_check(compiled) -> None:
+    model, graphs, _ = compiled
+    for graph in graphs:
+        assert check(model, as_graph(graph, ServesNothing), BLOCK) == (
+            "it does not serve a step of its own sequences")
+        # Served, a mixed step's rows meet a head that expects its own: it raises there, or is caught after.
+        problem = check(model, as_graph(graph, ServesMixedSteps), BLOCK)
+        assert problem == "it served a mixed step" or problem.startswith("a check step raised"), problem
+    assert model.model.decode_graphs == [] and model.model.decode_graph_failure is None
+
+
 def test_a_compiled_step_that_raises_is_run_eagerly_and_the_graphs_are_dropped(compiled) -> None:
     model, graphs, _ = compiled
     caches = allocate_kv_cache(model.config, 8, BLOCK, model.model.embed_tokens.weight.dtype)

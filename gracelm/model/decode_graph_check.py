@@ -2,12 +2,13 @@
 
 A graph is code that inductor compiled on the fly for this CPU, these kernels and this model; a defect in it,
 or in the way the engine calls it, must cost speed, never the server. So before a loaded graph serves, the
-model runs two synthetic steps over a scratch KV cache of random values, once with the graph and once
-eagerly, and the graph serves only where both agree (`close`):
-- a step of decode tokens that the graph serves: one sequence, or three of different lengths (within one
-  block, across blocks, in blocks out of order);
-- a step that mixes a prompt with those decode tokens, which no graph serves: it must run, and eagerly.
-Both must not raise. What fails is logged by the caller (`parallel/decode_graph_build.py`), which serves
+model runs two synthetic steps over a scratch KV cache of random values:
+- a step of decode tokens that the graph serves (one sequence, or three of different lengths: within one
+  block, across blocks, in blocks out of order), once with the graph and once eagerly; the graph serves only
+  where both agree (`close`);
+- a step that mixes a prompt with those decode tokens, which no graph serves: with the graph loaded, it must
+  run, and eagerly.
+Neither may raise. What fails is logged by the caller (`parallel/decode_graph_build.py`), which serves
 eagerly instead.
 """
 
@@ -22,7 +23,7 @@ from gracelm.model.decode_graph import DecodeGraph
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.low_bit_gate import SHORT_PROMPT
 
-# The decode tokens' contexts: as many of them as the graph serves sequences, up to all.
+# The decode tokens' contexts (`_contexts`).
 _CONTEXTS = [40, 0, 17]
 _PROMPT = SHORT_PROMPT + 4
 _SEED = 20261205
@@ -39,42 +40,66 @@ def close(ours: torch.Tensor, eager: torch.Tensor) -> bool:
 
 def check(model: nn.Module, graph: DecodeGraph, block_size: int) -> str | None:
     """None where `graph` serves `model` (a frozen `LlamaForCausalLM`) as eager does; else what differs."""
-    decode = _decode_batch(_CONTEXTS[:min(len(_CONTEXTS), graph.rows.stop - 1)], block_size)
-    for batch, compiled in ((decode, True), (_mixed_batch(decode, block_size), False)):
-        try:
-            ours, eager, served, raised = _both(model, graph, batch, block_size)
-        except Exception as e:  # noqa: BLE001 - the graph's failure, reported
-            return f"a check step raised {type(e).__name__}: {e}"
-        if raised is not None:
-            return raised
-        if served != compiled:
-            return "it does not serve a step of its own sequences" if compiled else "it served a mixed step"
-        if not close(ours, eager):
-            return f"its logits differ from eager's by up to {float((ours - eager).abs().max()):.3g}"
+    try:
+        return _decode_problem(model, graph, block_size) or _mixed_problem(model, graph, block_size)
+    except Exception as e:  # noqa: BLE001 - the graph's failure, reported
+        return f"a check step raised {type(e).__name__}: {e}"
+
+
+def _decode_problem(model: nn.Module, graph: DecodeGraph, block_size: int) -> str | None:
+    decode = _decode_batch(_contexts(graph), block_size)
+    caches = _scratch_cache(model, decode, block_size)
+    ours, served, raised = _run(model, graph, decode, caches)
+    if raised is not None:
+        return raised
+    if not served:
+        return "it does not serve a step of its own sequences"
+    eager, _, _ = _run(model, None, decode, caches)
+    if not close(ours, eager):
+        return f"its logits differ from eager's by up to {float((ours - eager).abs().max()):.3g}"
     return None
 
 
-def _both(model: nn.Module, graph: DecodeGraph, batch: ForwardBatch, block_size: int
-          ) -> tuple[torch.Tensor, torch.Tensor, bool, str | None]:
-    """The logits of `batch` with the graph and without, each over its copy of one scratch cache; whether
-    the graph ran; and why it failed where it raised (the model then ran the step eagerly). The model's
-    graphs and counts are left as they were."""
+def _mixed_problem(model: nn.Module, graph: DecodeGraph, block_size: int) -> str | None:
+    """The mixed step runs once, with the graph: one that does not serve it leaves it to the eager path, which
+    a second, eager run would only compare with itself."""
+    mixed = _mixed_batch(_decode_batch(_contexts(graph), block_size), block_size)
+    logits, served, raised = _run(model, graph, mixed, _scratch_cache(model, mixed, block_size))
+    if raised is not None:
+        return raised
+    if served:
+        return "it served a mixed step"
+    return None if bool(torch.isfinite(logits).all()) else "a mixed step beside it gave logits not finite"
+
+
+def _contexts(graph: DecodeGraph) -> list[int]:
+    """The decode tokens' contexts: as many sequences as the graph serves, up to all of `_CONTEXTS`."""
+    return _CONTEXTS[:min(len(_CONTEXTS), graph.rows.stop - 1)]
+
+
+def _scratch_cache(model: nn.Module, batch: ForwardBatch, block_size: int) -> list[torch.Tensor]:
+    """A KV cache of random values holding every block `batch` refers to."""
     blocks = int(batch.block_tables.max()) + 1
     caches = allocate_kv_cache(model.config, blocks, block_size, model.model.embed_tokens.weight.dtype)
     generator = torch.Generator().manual_seed(_SEED)
     for cache in caches:
         cache.copy_(torch.randn(cache.shape, generator=generator))
+    return caches
+
+
+def _run(model: nn.Module, graph: DecodeGraph | None, batch: ForwardBatch, caches: list[torch.Tensor]
+         ) -> tuple[torch.Tensor, bool, str | None]:
+    """The logits of `batch` over a copy of `caches`, with `graph` as the model's only graph (None: none);
+    whether the graph ran; and why it failed where it raised (the model then ran the step eagerly). The
+    model's graphs and counts are left as they were."""
     decoder = model.model
     kept = decoder.decode_graphs, decoder.decode_graph_failure, decoder.compiled_steps
     try:
-        decoder.decode_graphs = [graph]
-        ours = model(batch, [cache.clone() for cache in caches])
-        served, raised = decoder.compiled_steps > kept[2], decoder.decode_graph_failure
-        decoder.decode_graphs = []
-        eager = model(batch, caches)
+        decoder.decode_graphs = [] if graph is None else [graph]
+        logits = model(batch, [cache.clone() for cache in caches])
+        return logits, decoder.compiled_steps > kept[2], decoder.decode_graph_failure
     finally:
         decoder.decode_graphs, decoder.decode_graph_failure, decoder.compiled_steps = kept
-    return ours, eager, served, raised
 
 
 def _decode_batch(contexts: list[int], block_size: int) -> ForwardBatch:
