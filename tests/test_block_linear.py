@@ -199,6 +199,51 @@ def test_the_packer_writes_the_records_the_layout_describes(qtype: Q, shape: tup
     assert torch.equal(BlockLinear.from_file(blocks, qtype).packed, reference_records(blocks, qtype))
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_out_variant_packer_writes_every_byte_of_its_output(qtype: Q, shape: tuple[int, int]) -> None:
+    """`block_pack_into` (the allocating `block_pack` wraps it) into a buffer of garbage gives the records
+    of the layout, the padding lanes of a last partial tile zeros: it relies on no zeroed buffer."""
+    blocks = quantized(shape, qtype, seed=shape[0])[0]
+    raw = torch.from_numpy(blocks)
+    [(stored_shape, dtype)] = BlockLinear.stored_form_of(shape, qtype).values()
+    out = torch.full(stored_shape, 0xA5, dtype=dtype)
+    torch.ops.gracelm.block_pack_into(raw, int(qtype), out)
+    assert torch.equal(out, torch.ops.gracelm.block_pack(raw, int(qtype)))
+    assert torch.equal(out, reference_records(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_stack_is_packed_as_its_parts_records_one_after_another(qtype: Q) -> None:
+    """`BlockLinear.pack_into`: each part straight into its range of tiles of a view (here of a larger buffer
+    of garbage, as a cache file's mapping is), the last part's partial tile padded with zeros: the records
+    of the parts packed apart and stacked, and not a byte beside the view."""
+    rows = (32, 48, 40)
+    blocks = [quantized((count, 96), qtype, seed=count)[0] for count in rows]
+    [(shape, dtype)] = BlockLinear.stored_form_of((sum(rows), 96), qtype).values()
+    buffer = torch.full((shape[0] * shape[1] * shape[2] + 24,), 0x5A, dtype=dtype)
+    view = buffer[8:-16].view(shape)
+    BlockLinear.pack_into([torch.from_numpy(b) for b in blocks], qtype, {"packed": view})
+    stacked = BlockLinear.stacked([BlockLinear.from_file(b, qtype) for b in blocks])
+    assert stacked is not None and torch.equal(view, stacked.packed)
+    assert torch.equal(view, torch.cat([reference_records(b, qtype) for b in blocks]))
+    assert (buffer[:8] == 0x5A).all() and (buffer[-16:] == 0x5A).all()
+
+
+def test_the_out_variant_refuses_a_destination_of_another_form() -> None:
+    raw = torch.from_numpy(quantized((40, 96), Q.Q4_1)[0])
+    [(shape, _)] = BlockLinear.stored_form_of((40, 96), Q.Q4_1).values()
+    bad = {
+        "tiles": torch.empty((shape[0] - 1, *shape[1:]), dtype=torch.uint8),
+        "record bytes": torch.empty((*shape[:2], record_bytes(8)), dtype=torch.uint8),
+        "dtype": torch.empty(shape, dtype=torch.int8),
+        "contiguous": torch.empty((shape[0], shape[1], 2 * shape[2]), dtype=torch.uint8)[..., ::2],
+    }
+    for out in bad.values():  # keyed by what each destination gets wrong
+        with pytest.raises(RuntimeError, match="block_pack: out must be contiguous uint8"):
+            torch.ops.gracelm.block_pack_into(raw, int(Q.Q4_1), out)
+
+
 def reference_records(raw: np.ndarray, qtype: Q) -> torch.Tensor:
     """The records of `block_linear.py`'s layout, built from the file's values in torch ops: the outputs in
     tiles of 16 (the last padded with zeros), per (tile, block) vector j of inputs 4j..4j+3 of every output

@@ -6,6 +6,7 @@ terminal only."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import logging
@@ -15,18 +16,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import httpx
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file
 
 import gracelm.startup_timeline as startup_timeline
 from gracelm.config import ModelConfig
-from gracelm.model import file_hash, weight_cache
+from gracelm.model import file_hash, gguf_loader, weight_cache
 from gracelm.model.attention import allocate_kv_cache
+from gracelm.model.block_linear import BlockLinear
 from gracelm.model.file_hash import content_hash
+from gracelm.model.kernel_library import LOADED
 from gracelm.model.load_progress import load_progress
 from gracelm.model.loader import load_model
+from gracelm.model.quantized_linear import Int4Linear
 from gracelm.model.tokenizer_cache import entry_path as tokenizer_entry
 from gracelm.model.weight_cache import MAX_ENTRIES, cached_tensors
 from gracelm.model.weight_cache import entry_path as weights_entry
@@ -161,10 +168,10 @@ def test_the_weights_cache_keeps_the_most_recently_used_entries(tmp_path: Path,
     stale_version = folder / f"{hashes[0]}-float32-v0.safetensors"
     stale_version.write_bytes(b"old format")
     for i, model_hash in enumerate(hashes):
-        cached_tensors(model_hash, torch.float32, expected, lambda: {"w": torch.zeros(2, 3)})
+        cached_tensors(model_hash, torch.float32, expected, lambda tensors: tensors["w"].zero_())
         os.utime(weights_entry(model_hash, torch.float32), (1000 + i, 1000 + i))
         if i == 1:  # used again: the newest for a while
-            cached_tensors(hashes[0], torch.float32, expected, lambda: pytest.fail("a hit converts nothing"))
+            cached_tensors(hashes[0], torch.float32, expected, lambda _: pytest.fail("a hit converts none"))
             os.utime(weights_entry(hashes[0], torch.float32), (5000, 5000))
     kept = sorted(p.name for p in folder.iterdir())
     assert len(kept) == MAX_ENTRIES
@@ -173,18 +180,153 @@ def test_the_weights_cache_keeps_the_most_recently_used_entries(tmp_path: Path,
     assert not stale_version.exists()
 
 
-def test_an_unwritable_cache_serves_anyway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("refusal", ["no room for the file", "no temporary file"])
+def test_an_unwritable_cache_serves_anyway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str,
                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk (the file's room refused before anything is written through its mapping) or a read-only
+    one: the weights are converted into memory and served, with a warning, and no file is left."""
     monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
 
-    def refuse(path: Path, data: bytes) -> None:
+    def refuse(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(weight_cache, "write_atomic", refuse)
+    if refusal == "no room for the file":
+        monkeypatch.setattr(os, "posix_fallocate", refuse)
+    else:
+        monkeypatch.setattr(weight_cache, "write_atomic", refuse)
     expected = {"w": ((2,), torch.float32)}
-    weights = cached_tensors("ab" * 32, torch.float32, expected, lambda: {"w": torch.ones(2)})
+    weights = cached_tensors("ab" * 32, torch.float32, expected, lambda tensors: tensors["w"].fill_(1.0))
     assert torch.equal(weights["w"], torch.ones(2))
     assert "cannot keep the converted weights" in caplog.text
+    assert list(weights_entry("ab" * 32, torch.float32).parent.iterdir()) == []
+
+
+# Tensors of every element size and alignment: a dtype of each size, a scalar, an empty tensor, and a stack of
+# three matrices' blocks whose last tile is partial.
+_KINDS = {"f64": ((3,), torch.float64), "f32": ((5, 3), torch.float32), "i32": ((7,), torch.int32),
+          "bf16": ((3, 5), torch.bfloat16), "f16": ((1,), torch.float16), "i16": ((3,), torch.int16),
+          "u8": ((13,), torch.uint8), "i8": ((2, 2), torch.int8), "bool": ((5,), torch.bool),
+          "scalar": ((), torch.float32), "empty": ((0, 4), torch.bfloat16)}
+_STACK_ROWS = (32, 48, 40)
+
+
+def _blocks_of(rows: int, seed: int) -> np.ndarray:
+    weights = np.random.default_rng(seed).normal(0.0, 0.05, (rows, 96)).astype(np.float32)
+    return gguf.quants.quantize(weights, Q.Q4_1)
+
+
+def _fill_every_kind(tensors: dict[str, torch.Tensor]) -> None:
+    """Writes values of its own into every tensor of `_KINDS`, and the stack's blocks."""
+    for name, tensor in tensors.items():
+        if name == "stack.packed":
+            BlockLinear.pack_into([torch.from_numpy(_blocks_of(rows, rows)) for rows in _STACK_ROWS], Q.Q4_1,
+                                  {"packed": tensor})
+        else:
+            tensor.copy_(torch.arange(tensor.numel()).view(tensor.shape) * 3 % 7 - 2)
+
+
+def _garbage(expected: weight_cache.Expected) -> dict[str, torch.Tensor]:
+    """Tensors of `expected` full of bytes that no conversion writes, for a fill to overwrite."""
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in expected.items()}
+    for tensor in tensors.values():
+        tensor.view(-1).view(torch.uint8).fill_(0xA5 if tensor.dtype != torch.bool else 1)
+    return tensors
+
+
+def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether `a` and `b` hold tensors of the same names, shapes, dtypes and bytes."""
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(-1).view(torch.uint8)
+
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and torch.equal(as_bytes(a[n]), as_bytes(b[n]))
+        for n in a)
+
+
+@pytest.mark.skipif(not LOADED, reason="gracelm._kernels is not built")
+def test_an_entry_is_written_in_place_as_safetensors_reads_it(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold start's entry, its tensors written into the file's own mapping: safetensors' `load_file` reads
+    exactly what the same conversion writes into memory, each tensor aligned to its element's size; the
+    tensors served are the file's pages copy-on-write, not a writable view of it, and no writable mapping
+    of the file is left."""
+    monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
+    stack_form = BlockLinear.stored_form_of((sum(_STACK_ROWS), 96), Q.Q4_1)
+    expected = {**_KINDS, "stack.packed": stack_form["packed"]}
+    served = cached_tensors("cd" * 32, "mixed", expected, _fill_every_kind)
+    entry = weights_entry("cd" * 32, "mixed")
+    mapped = _mappings_of(entry.parent)
+    assert [line.split()[1][-1] for line in mapped] == ["p"] * len(mapped) and entry.name in "".join(mapped)
+    in_memory = _garbage(expected)
+    _fill_every_kind(in_memory)
+    stack = torch.cat([BlockLinear.from_file(_blocks_of(rows, rows), Q.Q4_1).packed for rows in _STACK_ROWS])
+    assert torch.equal(in_memory["stack.packed"], stack)  # the partial last tile's padding too
+    assert _same_bytes(load_file(entry), in_memory)
+    assert _same_bytes(served, in_memory)
+    assert all(t.data_ptr() % t.element_size() == 0 for t in served.values())
+    assert int.from_bytes(entry.read_bytes()[:8], "little") % 8 == 0  # the data starts 8-aligned
+    data = entry.read_bytes()
+    served["f32"].fill_(99.0)
+    assert entry.read_bytes() == data
+
+
+def _mappings_of(folder: Path) -> list[str]:
+    """This process's memory mappings of files in `folder` (/proc/self/maps lines)."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(folder) in line]
+
+
+@pytest.mark.parametrize("failure", [RuntimeError, OSError], ids=["error", "unreadable source"])
+def test_a_converter_that_raises_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               failure: type[Exception], caplog: pytest.LogCaptureFixture
+                                               ) -> None:
+    """The converter's error reaches the caller as it is (an OSError of its own is no cache failure to
+    serve around), once half the tensors are written: no entry, no temporary file, and no mapping once the
+    error is gone."""
+    monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
+    expected = {"a": ((64,), torch.float32), "b": ((64,), torch.float32)}
+
+    def fail_half_way(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["a"].fill_(1.0)
+        raise failure("the converter's own failure")
+
+    with pytest.raises(failure, match="the converter's own failure"):
+        cached_tensors("ef" * 32, torch.float32, expected, fail_half_way)
+    folder = weights_entry("ef" * 32, torch.float32).parent
+    assert list(folder.iterdir()) == []
+    assert "cannot keep the converted weights" not in caplog.text
+    gc.collect()
+    assert _mappings_of(folder) == []
+
+
+@pytest.mark.skipif(not LOADED, reason="gracelm._kernels is not built")
+@pytest.mark.parametrize("kind", ["bfloat16", "blocks", "int4"])
+def test_a_gguf_models_entry_written_in_place_is_its_conversion_into_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A GGUF model's entries (dense, the blocks with q/k/v and gate/up stacked, torch's int4 form) written
+    on a cold start read back with `load_file` as the conversion into memory of garbage gives them, and the
+    file is unmapped once converted."""
+    monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "m.gguf", gguf_layout(hf_model("llama", seed=21), "llama"), Q.Q4_1)
+    calls = []
+
+    def recorded(model_hash: str, entry_kind: object, expected: weight_cache.Expected,
+                 fill: weight_cache.Fill) -> dict[str, torch.Tensor]:
+        calls.append((entry_kind, expected, fill))
+        return cached_tensors(model_hash, entry_kind, expected, fill)
+
+    monkeypatch.setattr(gguf_loader, "cached_tensors", recorded)
+    model = gguf_loader.open_gguf(path)
+    if kind == "bfloat16":
+        model.weights(torch.bfloat16)
+    else:
+        model.low_bit_weights(BlockLinear if kind == "blocks" else Int4Linear)
+    [(entry_kind, expected, fill)] = calls
+    assert path.name not in "".join(_mappings_of(path.parent))
+    in_memory = _garbage(expected)
+    fill(in_memory)
+    assert _same_bytes(load_file(weights_entry(model.model_hash, entry_kind)), in_memory)
+    if kind == "blocks":
+        assert any("+" in name for name in expected), expected  # stacks
 
 
 def test_the_kv_cache_is_zero_and_writable() -> None:

@@ -450,7 +450,27 @@ def test_reader_agrees_with_gguf_py_on_the_default_model() -> None:
     assert ours.metadata == fields
     assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
     assert list(ours.tensors) == [t.name for t in reference.tensors]
-    for t in reference.tensors:
-        info = ours.tensors[t.name]
-        assert info.ggml_type == t.tensor_type and info.shape == tuple(reversed(t.shape.tolist()))
-        assert ours.raw_tensor(info).tobytes() == t.data.tobytes(), t.name
+    with ours.mapped_tensors() as stored:
+        for t in reference.tensors:
+            info = ours.tensors[t.name]
+            assert info.ggml_type == t.tensor_type and info.shape == tuple(reversed(t.shape.tolist()))
+            assert ours.raw_tensor(info).tobytes() == t.data.tobytes(), t.name
+            assert stored(info).shape == ours.raw_tensor(info).shape
+            assert stored(info).tobytes() == t.data.tobytes(), t.name
+
+
+def test_mapped_tensors_are_read_only_views_valid_inside_the_with(tmp_path: Path) -> None:
+    """`GGUFFile.mapped_tensors` (the packer's source): views of the file's bytes, read-only; its end unmaps
+    the file, and refuses to while a view is held."""
+    path = write_gguf(tmp_path / "m.gguf", gguf_layout(hf_model("llama"), "llama"), Q.Q4_1)
+    model_file = read_gguf(path)
+    info = model_file.tensors["blk.0.attn_q.weight"]
+    with model_file.mapped_tensors() as stored:
+        view = stored(info)
+        assert not view.flags.writeable and np.array_equal(view, model_file.raw_tensor(info))
+        assert str(path) in Path("/proc/self/maps").read_text()
+        del view
+    assert str(path) not in Path("/proc/self/maps").read_text()
+    with pytest.raises(BufferError), model_file.mapped_tensors() as stored:
+        kept = stored(info)
+    del kept

@@ -1,10 +1,11 @@
 // A GGUF matrix's stored blocks (Q4_0, Q4_1, Q8_0) packed into the records block_matmul reads
-// (block_records.h), in one pass over the file's bytes: a cold start packs every matrix of the model once.
+// (block_records.h), in one pass over the file's bytes: a cold start packs every matrix of the model once,
+// straight into the cache entry's file (block_pack_into; a stack's parts each into its range of tiles).
 // The layout and the arithmetic (w = scale * q + minimum): gracelm/model/block_linear.py and
 // gracelm/model/gguf_int4.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -78,7 +79,9 @@ inline void pack_output(const uint8_t* qs, int64_t o, uint8_t* record) {
   }
 }
 
-// One record: the weights of `lanes` rows (the tile's others stay zero), then their scales and minimums.
+// One record: the weights of `lanes` rows, then their scales and minimums. The lanes of a last partial tile
+// beyond them are written as zeros (a weight, scale and minimum of 0 add nothing to a sum): the destination
+// may hold anything, a cache file's fresh pages or a reused buffer.
 template <int64_t kBits>
 void pack_record(const uint8_t* rows, int64_t row_bytes, int64_t lanes, int64_t block, int64_t ggml_type,
                  const BlockType& type, uint8_t* record) {
@@ -91,38 +94,65 @@ void pack_record(const uint8_t* rows, int64_t row_bytes, int64_t lanes, int64_t 
     tails[kLanes + o] = minimum_of(src, ggml_type, d);
     pack_output<kBits>(src + type.header, o, record);
   }
+  if (lanes == kLanes) return;
+  constexpr int64_t kVectors = weight_bytes(kBits) / (kLanes * 4);
+  for (int64_t j = 0; j < kVectors; ++j) {
+    std::memset(record + j * kLanes * 4 + lanes * 4, 0, (kLanes - lanes) * 4);
+  }
+  std::memset(tails + lanes, 0, (kLanes - lanes) * sizeof(c10::Half));
+  std::memset(tails + kLanes + lanes, 0, (kLanes - lanes) * sizeof(c10::Half));
 }
 
-// packed [tiles, K / 32, record bytes] of `raw`, a matrix's stored bytes [rows, bytes per row].
-at::Tensor block_pack(const at::Tensor& raw, int64_t ggml_type) {
+// Writes into `out` [tiles, K / 32, record bytes] (every byte of it) the records of `raw`, a matrix's stored
+// bytes [rows, bytes per row]: `out` may be a part of a larger buffer (a stack's, a cache file's mapping).
+void block_pack_into(const at::Tensor& raw, int64_t ggml_type, const at::Tensor& out) {
   const BlockType type = block_type(ggml_type);
   TORCH_CHECK(raw.dim() == 2 && raw.is_contiguous() && raw.scalar_type() == at::kByte,
               "block_pack: raw must be contiguous uint8 [rows, bytes per row]");
   TORCH_CHECK(raw.size(1) % type.bytes == 0, "block_pack: rows of ", raw.size(1), " bytes are not whole blocks");
   const int64_t rows = raw.size(0), row_bytes = raw.size(1), blocks = row_bytes / type.bytes;
   const int64_t tiles = (rows + kLanes - 1) / kLanes, record = record_bytes(type.bits);
-  at::Tensor packed = at::zeros({tiles, blocks, record}, raw.options());
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kByte && out.device().is_cpu() &&
+                  out.sizes() == at::IntArrayRef({tiles, blocks, record}),
+              "block_pack: out must be contiguous uint8 [", tiles, ", ", blocks, ", ", record, "], not ",
+              out.scalar_type(), " ", out.sizes());
   const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t lanes = std::min(kLanes, rows - t * kLanes);
       for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* out = dst + (t * blocks + b) * record;
+        uint8_t* out_record = dst + (t * blocks + b) * record;
         const uint8_t* rows_of_tile = src + t * kLanes * row_bytes;
         if (type.bits == 8) {
-          pack_record<8>(rows_of_tile, row_bytes, lanes, b, ggml_type, type, out);
+          pack_record<8>(rows_of_tile, row_bytes, lanes, b, ggml_type, type, out_record);
         } else {
-          pack_record<4>(rows_of_tile, row_bytes, lanes, b, ggml_type, type, out);
+          pack_record<4>(rows_of_tile, row_bytes, lanes, b, ggml_type, type, out_record);
         }
       }
     }
   });
+}
+
+// packed [tiles, K / 32, record bytes] of `raw`, in a tensor of its own.
+at::Tensor block_pack(const at::Tensor& raw, int64_t ggml_type) {
+  const BlockType type = block_type(ggml_type);
+  TORCH_CHECK(raw.dim() == 2, "block_pack: raw must be contiguous uint8 [rows, bytes per row]");
+  const int64_t tiles = (raw.size(0) + kLanes - 1) / kLanes;
+  at::Tensor packed = at::empty({tiles, raw.size(1) / type.bytes, record_bytes(type.bits)},
+                                raw.options().dtype(at::kByte));
+  block_pack_into(raw, ggml_type, packed);
   return packed;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(gracelm, m) { m.def("block_pack(Tensor raw, int ggml_type) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(gracelm, m) {
+  m.def("block_pack(Tensor raw, int ggml_type) -> Tensor");
+  m.def("block_pack_into(Tensor raw, int ggml_type, Tensor(a!) out) -> ()");
+}
 
-TORCH_LIBRARY_IMPL(gracelm, CPU, m) { m.impl("block_pack", &block_pack); }
+TORCH_LIBRARY_IMPL(gracelm, CPU, m) {
+  m.impl("block_pack", &block_pack);
+  m.impl("block_pack_into", &block_pack_into);
+}

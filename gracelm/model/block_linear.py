@@ -114,6 +114,21 @@ class BlockLinear(nn.Module):
         return cls(packed, raw.shape[0], BITS[ggml_type])
 
     @staticmethod
+    def pack_into(parts: list[torch.Tensor], ggml_type: GGMLQuantizationType,
+                  tensors: dict[str, torch.Tensor]) -> None:
+        """Writes into `tensors` (as `stored_form_of` shapes them, whatever they held) the form of `parts`,
+        GGUF matrices' stored bytes uint8 [rows, bytes per row] stacked by rows in this order (every part but
+        the last whole tiles): each part packed straight into its range of tiles, so a stack is its parts'
+        records one after another, with no copy of its own."""
+        packed, tile = tensors["packed"], 0
+        for i, raw in enumerate(parts):
+            tiles = -(-raw.shape[0] // TILE)
+            assert i == len(parts) - 1 or raw.shape[0] % TILE == 0, "a partial tile before the last part"
+            torch.ops.gracelm.block_pack_into(raw.contiguous(), int(ggml_type), packed[tile:tile + tiles])
+            tile += tiles
+        assert tile == packed.shape[0], (tile, tuple(packed.shape))
+
+    @staticmethod
     def stored_form_of(shape: tuple[int, int], ggml_type: GGMLQuantizationType
                        ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """The shapes and dtypes of `tensors()` for a GGUF matrix of `shape` [rows, columns], `ggml_type`."""

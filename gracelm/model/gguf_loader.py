@@ -4,10 +4,14 @@ once and then kept in the cache directory."""
 
 from __future__ import annotations
 
+import functools
 import re
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
@@ -119,7 +123,7 @@ class GGUFModel:
         expected = {hf_name: (self.gguf.tensors[gguf_name].shape, dtype)
                     for gguf_name, hf_name in names.items()}
         kind = dtype if not without else f"{str(dtype).removeprefix('torch.')}-beside-blocks"
-        return cached_tensors(self.model_hash, kind, expected, lambda: _converted(self, dtype, names))
+        return cached_tensors(self.model_hash, kind, expected, functools.partial(_convert, self, names))
 
     def int4_matrices(self) -> dict[str, str]:
         """GGUF name -> Hugging Face name of the matrices stored in blocks the low-bit kernels take
@@ -155,7 +159,7 @@ class GGUFModel:
         expected = {f"{entry}.{part}": stored
                     for entry, stored_parts in parts.items() for part, stored in stored_parts.items()}
         tensors = cached_tensors(self.model_hash, form.layout(), expected,
-                                 lambda: _converted_forms(self, entries, form))
+                                 functools.partial(_pack, self, entries, form))
         forms: dict[str, LowBitForm] = {}
         for entry, names in entries.items():
             whole = form.from_tensors({part: tensors[f"{entry}.{part}"] for part in parts[entry]},
@@ -188,39 +192,47 @@ class GGUFModel:
         return entries
 
 
-def _converted(model: GGUFModel, dtype: torch.dtype, names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The tensors `names` names (GGUF name -> HF name) dequantized, llama.cpp's rotary layout undone, cast to
-    `dtype`, under their HF names."""
+def _convert(model: GGUFModel, names: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+    """Writes into `tensors` (by HF name) the tensors `names` names (GGUF name -> HF name) dequantized,
+    llama.cpp's rotary layout undone, cast to the dtype of each."""
     gguf = model.gguf
     rotary_heads = _rotary_permuted_heads(gguf, model.config)
     gemma = _is_gemma(gguf)
-    weights = {}
     for gguf_name, hf_name in load_progress(names.items(), len(names), "converting weights"):
         weight = _dequantized(gguf, gguf.tensors[gguf_name])
         if gemma and hf_name.endswith("norm.weight"):
             weight = weight - 1.0  # stored as 1 + weight (see `_GEMMA_LAYER_TENSORS`); exact in float32
-        weights[hf_name] = _in_hf_row_order(gguf_name, weight, rotary_heads).to(dtype)
-    return weights
+        tensors[hf_name].copy_(_in_hf_row_order(gguf_name, weight, rotary_heads))
 
 
-def _converted_forms(model: GGUFModel, entries: dict[str, list[str]], form: type[LowBitForm]
-                     ) -> dict[str, torch.Tensor]:
-    """The cache's `entries` (name -> Hugging Face names, stacked by rows) in `form`, llama.cpp's rotary
-    layout undone (a permutation of whole rows, blocks and all), as the cache keeps them."""
-    gguf = model.gguf
+def _pack(model: GGUFModel, entries: dict[str, list[str]], form: type[LowBitForm],
+          tensors: dict[str, torch.Tensor]) -> None:
+    """Writes into `tensors` the cache's `entries` (name -> Hugging Face names, stacked by rows) in `form`,
+    llama.cpp's rotary layout undone (a permutation of whole rows, blocks and all), as the cache keeps them.
+    The blocks are read from the file mapped, for the packer to take each byte once."""
     gguf_of = {hf_name: gguf_name for gguf_name, hf_name in model.names.items()}
-    rotary_heads = _rotary_permuted_heads(gguf, model.config)
-    tensors = {}
-    for entry, names in load_progress(entries.items(), len(entries), "packing 4/8-bit weights"):
-        packed = []
-        for name in names:
-            info = gguf.tensors[gguf_of[name]]
-            raw = _in_hf_row_order(gguf_of[name], torch.from_numpy(gguf.raw_tensor(info)), rotary_heads)
-            packed.append(form.from_file(raw.numpy(), info.ggml_type))
-        whole = form.stacked(packed) if len(packed) > 1 else packed[0]
-        assert whole is not None, entry  # `_cache_entries` stacks only what stacks
-        tensors.update({f"{entry}.{part}": tensor for part, tensor in whole.tensors().items()})
-    return tensors
+    rotary_heads = _rotary_permuted_heads(model.gguf, model.config)
+    parts_of: dict[str, dict[str, torch.Tensor]] = {}  # entry -> its tensors by their names in the form
+    for name, tensor in tensors.items():
+        entry, _, part = name.rpartition(".")
+        parts_of.setdefault(entry, {})[part] = tensor
+    with model.gguf.mapped_tensors() as stored:
+        for entry, names in load_progress(entries.items(), len(entries), "packing 4/8-bit weights"):
+            _pack_entry(model.gguf, stored, [gguf_of[name] for name in names], rotary_heads, form,
+                        parts_of[entry])
+
+
+def _pack_entry(gguf: GGUFFile, stored: Callable[[GGUFTensorInfo], np.ndarray], gguf_names: list[str],
+                rotary_heads: dict[str, int], form: type[LowBitForm], tensors: dict[str, torch.Tensor]
+                ) -> None:
+    """One entry of `_pack`: the matrices `gguf_names` stacked. Its views of the file end with it, before the
+    file is unmapped."""
+    infos = [gguf.tensors[name] for name in gguf_names]
+    with warnings.catch_warnings():  # read-only on purpose: nothing writes to the file's pages
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        raw = [torch.from_numpy(stored(info)) for info in infos]
+    parts = [_in_hf_row_order(name, rows, rotary_heads) for name, rows in zip(gguf_names, raw, strict=True)]
+    form.pack_into(parts, infos[0].ggml_type, tensors)
 
 
 def _stacks(config: ModelConfig) -> tuple[tuple[str, ...], ...]:

@@ -8,9 +8,11 @@ Every read is bounds-checked, so a truncated or corrupt file fails with a messag
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from math import prod
 from pathlib import Path
@@ -69,9 +71,24 @@ class GGUFFile:
         """The stored bytes of a tensor as uint8, shaped (*rows, bytes per row) as `gguf.quants` expects."""
         # A plain read, not a memory map: gguf.quants slices its input into many small views, and each
         # view of an np.memmap pays for the subclass's bookkeeping (several times the dequantization cost).
-        data = np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
-        return data.reshape(*info.shape[:-1], info.shape[-1] // block_size * type_size)
+        return _rows(np.fromfile(self.path, dtype=np.uint8, count=info.nbytes, offset=info.offset), info)
+
+    @contextlib.contextmanager
+    def mapped_tensors(self) -> Iterator[Callable[[GGUFTensorInfo], np.ndarray]]:
+        """What gives `raw_tensor`'s arrays as read-only views of the file mapped into memory, no copy (the
+        page cache's own pages): for a reader that takes each byte once, as the packer does. The views are
+        valid inside the `with` only: its end unmaps the file, and raises BufferError if a view is still
+        held; after an error the mapping goes with the last view."""
+        with open(self.path, "rb") as file:
+            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        yield lambda info: _rows(np.frombuffer(mapping, np.uint8, info.nbytes, info.offset), info)
+        mapping.close()
+
+
+def _rows(data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    """A tensor's stored bytes shaped (*rows, bytes per row)."""
+    block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
+    return data.reshape(*info.shape[:-1], info.shape[-1] // block_size * type_size)
 
 
 def read_gguf(path: str | Path) -> GGUFFile:

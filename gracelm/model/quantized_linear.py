@@ -101,6 +101,17 @@ class Int4Linear(nn.Module):
         """From a GGUF matrix's stored bytes [rows, bytes per row] (`gguf_int4.int4_blocks`)."""
         return cls.pack(*int4_blocks(raw, ggml_type), input_copies(ggml_type))
 
+    @classmethod
+    def pack_into(cls, parts: list[torch.Tensor], ggml_type: GGMLQuantizationType,
+                  tensors: dict[str, torch.Tensor]) -> None:
+        """Writes into `tensors` (as `stored_form_of` shapes them) the form of `parts`, GGUF matrices' stored
+        bytes uint8 [rows, bytes per row] stacked by rows (`stacked`). torch's packer makes tensors of its
+        own, so the form is made apart and copied in."""
+        whole = cls.stacked([cls.from_file(raw.numpy(), ggml_type) for raw in parts])
+        assert whole is not None, "parts that do not stack"
+        for name, tensor in whole.tensors().items():
+            tensors[name].copy_(tensor)
+
     @staticmethod
     def stored_form_of(shape: tuple[int, int], ggml_type: GGMLQuantizationType
                        ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -12,7 +12,12 @@ expected (names, shapes, dtypes) is logged, deleted and converted again; a start
 safetensors holds no checksum of the data, and reading the whole file to check one would cost what the cache
 saves: a bit flipped inside a tensor is not detected, as with any safetensors checkpoint.
 
-Entries are written atomically (`write_atomic`) and never modified in place, so a mapped file stays valid
+A cold start converts straight into the new entry's file: its layout is known from the expected tensors, so
+the converter (`Fill`) writes into views of the file mapped shared, and nothing is copied to write the file
+(`_write_entry`); the entry is then mapped again as a warm start maps it. Where the cache cannot be written
+(a read-only or full disk) the weights are converted into memory and served all the same.
+
+Entries are written atomically (`write_atomic`) and never modified once written, so a mapped file stays valid
 even if another process replaces or prunes it. The folder keeps the `MAX_ENTRIES` most recently used
 entries (a hit refreshes an entry's modification time); older ones, and entries of other format versions,
 are deleted when a new entry is written. Delete the folder to reclaim the space at any time.
@@ -22,15 +27,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
+import math
+import mmap
 import os
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from gracelm.cache_dir import cache_dir, mtime, write_atomic
 from gracelm.startup_timeline import mark
@@ -49,12 +59,20 @@ _ABANDONED_AFTER_S = 3600.0
 
 # Each tensor's shape and dtype.
 Expected = dict[str, tuple[tuple[int, ...], torch.dtype]]
+# What converts a model's weights: writes every tensor of `Expected` into the tensors it is given, of its
+# names, shapes and dtypes, whatever they held before.
+Fill = Callable[[dict[str, torch.Tensor]], None]
+
+# safetensors' names of the dtypes an entry may hold.
+_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def cached_tensors(model_hash: str, kind: torch.dtype | str, expected: Expected,
-                   convert: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def cached_tensors(model_hash: str, kind: torch.dtype | str, expected: Expected, fill: Fill
+                   ) -> dict[str, torch.Tensor]:
     """The entry `kind` of the model whose content hash is `model_hash`, its tensors as `expected`: mapped
-    from the cache, else `convert()`ed (then stored)."""
+    from the cache, else converted by `fill` straight into the new entry's file (then mapped from it)."""
     path = entry_path(model_hash, kind)
     weights = _read(path, expected)
     if weights is not None:
@@ -62,18 +80,78 @@ def cached_tensors(model_hash: str, kind: torch.dtype | str, expected: Expected,
             os.utime(path)  # most recently used: the last to be pruned
         mark("read")
         return weights
-    weights = convert()
+    converting = False
+
+    def fill_entry(tensors: dict[str, torch.Tensor]) -> None:
+        nonlocal converting
+        converting = True
+        fill(tensors)
+        converting = False
+
     try:
-        write_atomic(path, functools.partial(save_file, weights))
-    except OSError as e:  # a read-only or full disk: serve anyway, convert again next time
+        write_atomic(path, functools.partial(_write_entry, expected, fill_entry))
+    except OSError as e:
+        if converting:  # the conversion's own failure (its source unreadable), not the cache's
+            raise
         logger.warning("cannot keep the converted weights in %s: %s", path, e)
+        weights = _filled(expected, fill)  # a read-only or full disk: serve anyway, convert again next time
     else:
         _prune(path.parent)
-        # Served from the entry's pages, as a warm start is: the converted copies are freed, and a cold
-        # start holds no more memory than a warm one.
-        weights = _read(path, expected) or weights
+        # Served from the entry's pages, as a warm start is, copy-on-write: nothing the model does writes to
+        # the file, and a cold start holds no more memory than a warm one.
+        weights = _read(path, expected) or _filled(expected, fill)
     mark("repack")
     return weights
+
+
+def safetensors_header(expected: Expected) -> tuple[bytes, dict[str, int]]:
+    """The header of a safetensors file of `expected`'s tensors (https://github.com/huggingface/safetensors),
+    and where each tensor's bytes begin after it. The format: an 8-byte little-endian length N, then N bytes
+    of JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}}, offsets into the data that follows the
+    header, whose tensors tile it without gaps. The JSON is padded with spaces to a multiple of 8 bytes, and
+    the larger elements come first, so that each tensor is aligned to its element's size."""
+    order = sorted(expected, key=lambda name: (-expected[name][1].itemsize, name))
+    tensors, begins, begin = {}, {}, 0
+    for name in order:
+        shape, dtype = expected[name]
+        end = begin + math.prod(shape) * dtype.itemsize
+        tensors[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+        begins[name], begin = begin, end
+    text = json.dumps(tensors, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    header = struct.pack("<Q", len(text)) + text
+    return header, {name: len(header) + begin for name, begin in begins.items()}
+
+
+def _write_entry(expected: Expected, fill: Fill, temporary: Path) -> None:
+    """Writes the entry into the file `temporary` (`write_atomic`'s): its header, then the tensors, which
+    `fill` writes into views of the file mapped shared, so they are converted in place, with no copy."""
+    header, starts = safetensors_header(expected)
+    size = len(header) + sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected.values())
+    with open(temporary, "r+b") as file:
+        # Reserved before any write: a full disk fails here, not as SIGBUS at a write through the mapping.
+        os.posix_fallocate(file.fileno(), 0, size)
+        mapping = mmap.mmap(file.fileno(), size)
+    mapping[:len(header)] = header
+    fill({name: _view(mapping, starts[name], *expected[name]) for name in expected})
+    mapping.flush()  # msync: what POSIX asks before `write_atomic`'s fsync covers writes through a mapping
+    # No view is left (`fill` keeps none: closing a mapping under one raises BufferError); after an error,
+    # the mapping goes with the last view instead.
+    mapping.close()
+
+
+def _view(buffer: mmap.mmap, start: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of `shape` and `dtype` at `start` of `buffer`, holding it (through numpy's view: torch's own
+    would let the buffer close under it)."""
+    data = np.frombuffer(buffer, np.uint8, count=math.prod(shape) * dtype.itemsize, offset=start)
+    return torch.from_numpy(data).view(dtype).view(shape)
+
+
+def _filled(expected: Expected, fill: Fill) -> dict[str, torch.Tensor]:
+    """The tensors converted into memory of their own."""
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in expected.items()}
+    fill(tensors)
+    return tensors
 
 
 def entry_path(model_hash: str, kind: torch.dtype | str) -> Path:
