@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gracelm import Engine
+from gracelm.engine.errors import EngineStartupError
 from gracelm.lifecycle.exit_codes import ExitCode
 from gracelm.model.loader import load_model
 from gracelm.model.tokenizer import Tokenizer
@@ -88,6 +89,16 @@ def test_a_pooling_type_that_is_no_embedding_fails_the_start(tmp_path, pooling):
         assert f"its pooling_type is {pooling.name}" in process.log()
     finally:
         process.close_log()
+
+
+def test_an_embedding_model_found_from_its_file_is_refused_with_tensor_parallelism(tmp_path):
+    """The core reads the task from the file (the frontend starts it without reading the file), and refuses
+    the file's embedding model on two ranks before it loads anything."""
+    model = hf_model("qwen3", num_key_value_heads=2)  # two ranks split its heads
+    path = write_gguf(tmp_path / "embed.gguf", gguf_layout(model, "qwen3"), gguf.GGMLQuantizationType.F32,
+                      arch="qwen3", heads=(2, 2), metadata={"pooling_type": gguf.PoolingType.LAST})
+    with pytest.raises(EngineStartupError, match="embedding model .* tensor_parallel_size must be 1"):
+        Engine(str(path), dtype="float32", num_threads=1, tensor_parallel_size=2)
 
 
 def test_a_server_of_the_file_answers_the_official_client(tmp_path):

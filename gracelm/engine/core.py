@@ -50,6 +50,8 @@ from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.processes import exit_process
 from gracelm.lifecycle.stacks import catches_signal
 from gracelm.lifecycle.startup_objects import freeze_startup_objects
+from gracelm.model.file_hash import content_hash
+from gracelm.model.pooling import Pooling, task_pooling
 from gracelm.parallel.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -61,12 +63,15 @@ class EngineCore:
     """Loads the model, sizes the KV cache and runs steps; knows nothing of sockets."""
 
     def __init__(self, config: EngineConfig) -> None:
+        self.pooling = _embedding_pooling(config)
+        config = dataclasses.replace(config, task="generate" if self.pooling is None else "embed")
         self.config = config
         self.executor = Executor(config)
         try:
             loaded = self.executor.load_model()
             startup_timeline.mark("repack")  # fused, packed; with tensor parallelism, sharded everywhere
             self.model_name = loaded.name
+            self.model_path = loaded.path
             self.model_config = loaded.config
             self.tokenizer = loaded.tokenizer
             self.max_model_len, num_blocks = self._size_kv_cache()
@@ -315,9 +320,10 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
     executor_reports: list[ShutdownReport] = []
     ledger.acquire(ResourceKind.MODEL, f"engine core: executor of {core.model_name}",
                    lambda: executor_reports.append(core.executor.shutdown()), timeout=30)
-    output_socket.send(msg.encode(msg.Ready(core.max_model_len, core.model_name,
-                                            dataclasses.asdict(core.model_config), core.tokenizer.to_dict(),
-                                            core.scheduler.kv_cache.num_total_blocks, _startup_marks())))
+    output_socket.send(msg.encode(msg.Ready(
+        core.max_model_len, core.model_name, dataclasses.asdict(core.model_config), core.tokenizer.to_dict(),
+        content_hash(core.model_path), core.scheduler.kv_cache.num_total_blocks, pooling=core.pooling,
+        startup_marks=_startup_marks())))
     proc = EngineCoreProc(core, input_socket, output_socket, heartbeat)
     freeze_startup_objects()
     try:
@@ -334,6 +340,16 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
     resources = [r for part in (saved, *executor_reports, report) for r in part.to_dict()["resources"]]
     output_socket.send(msg.encode(msg.Stopped(resources)))
     return ExitCode.CLEAN_STOP
+
+
+def _embedding_pooling(config: EngineConfig) -> Pooling | None:
+    """The pooling of the model `--task` serves as an embedding model (read from its files: here, not in the
+    frontend, whose start would otherwise wait for the read before the core's), or None where it generates."""
+    pooling = task_pooling(config.task, config.model)
+    if pooling is not None and config.tensor_parallel_size > 1:
+        raise ValueError(f"{config.model or 'the model'} is an embedding model (task embed), served on one "
+                         f"rank: tensor_parallel_size must be 1")
+    return pooling
 
 
 def speculation_config(config: EngineConfig) -> SpeculationConfig | None:

@@ -18,6 +18,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,11 @@ from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.output_processor import OpenRequest, OutputProcessor
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.process_end import ProcessEnd
-from gracelm.model.pooling import Pooling, task_pooling
+from gracelm.model.file_hash import known_hash
+from gracelm.model.model_files import resolve_model_path
+from gracelm.model.pooling import Pooling
 from gracelm.model.tokenizer import Tokenizer
+from gracelm.model.tokenizer_cache import kept_tokenizer
 from gracelm.parallel.layout import check_parallel_config
 from gracelm.sampling_params import SamplingParams
 
@@ -116,12 +120,12 @@ class EngineFrontend:
         self._shut_down = False
         self._calls_pending = 0  # utility calls sent and not answered
         check_parallel_config(config)  # an unsplittable model is refused before any process starts
-        # The embedding model's pooling (None when it generates), from its files: before any process starts.
-        self.pooling = _embedding_pooling(config)
-        config = dataclasses.replace(config, task="generate" if self.pooling is None else "embed")
+        if config.task == "embed" and config.tensor_parallel_size > 1:  # found in the files: by the core
+            raise ValueError("task embed (--task) is served on one rank: tensor_parallel_size must be 1")
+        kept_tokenizer = _kept_tokenizer_soon(config.model)
         self._client = EngineCoreClient(config, self._ledger)
         try:
-            self._take_ready(config, self._client.ready)
+            self._take_ready(config, self._client.ready, kept_tokenizer)
         except BaseException:
             # Nothing would stop the running core: multiprocessing's exit would wait for it for ever.
             _stop(self._client, config.shutdown_timeout, config.shutdown_report)
@@ -136,11 +140,22 @@ class EngineFrontend:
         self._finalizer.atexit = False
         atexit.register(self._finalizer)
 
-    def _take_ready(self, config: EngineConfig, ready: msg.Ready) -> None:
+    def _take_ready(self, config: EngineConfig, ready: msg.Ready,
+                    kept_tokenizer: Future[tuple[str | None, Tokenizer | None]]) -> None:
         """What the core's Ready message says of the model it loaded."""
-        # Built by the core, which reads the model's files; rebuilt here without transformers or torch.
-        self.tokenizer = Tokenizer.from_dict(ready.tokenizer)
-        self.config = dataclasses.replace(config, max_model_len=ready.max_model_len)
+        # Built by the core, which reads the model's files; rebuilt here without transformers or torch,
+        # unless read from the cache entry the core's came from while the core started.
+        try:
+            model_hash, tokenizer = kept_tokenizer.result()
+        except Exception:  # noqa: BLE001 - what the core reported of the model is what counts
+            model_hash, tokenizer = None, None
+        if tokenizer is None or model_hash != ready.model_hash:
+            tokenizer = Tokenizer.from_dict(ready.tokenizer)
+        self.tokenizer = tokenizer
+        # The core found the task in the model's files (`--task auto`).
+        self.pooling = ready.pooling
+        self.config = dataclasses.replace(config, max_model_len=ready.max_model_len,
+                                          task="generate" if ready.pooling is None else "embed")
         self.model_config = ModelConfig(**{**ready.model_config,
                                            "eos_token_ids": tuple(ready.model_config["eos_token_ids"])})
         self.model_name = ready.model_name
@@ -296,11 +311,21 @@ class EngineFrontend:
         self.shutdown()
 
 
-def _embedding_pooling(config: EngineConfig) -> Pooling | None:
-    pooling = task_pooling(config.task, config.model)
-    if pooling is not None and config.tensor_parallel_size > 1:
-        raise ValueError("task embed (--task) is served on one rank: tensor_parallel_size must be 1")
-    return pooling
+def _kept_tokenizer_soon(model: str | None) -> Future[tuple[str | None, Tokenizer | None]]:
+    """The model's content hash and its tokenizer from the cache, where both are kept, read in a thread
+    beside the core's start (whose first second is its own imports, on another CPU); (None, None) where
+    either is not kept yet, and nothing is read or hashed then."""
+    future: Future[tuple[str | None, Tokenizer | None]] = Future()
+
+    def run() -> None:
+        try:
+            model_hash = known_hash(resolve_model_path(model))
+            future.set_result((model_hash, None if model_hash is None else kept_tokenizer(model_hash)))
+        except BaseException as e:  # noqa: BLE001 - the core reports what is wrong with the model
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="kept-tokenizer", daemon=True).start()
+    return future
 
 
 def _call_if_alive(ref: weakref.ref, end: ProcessEnd) -> None:

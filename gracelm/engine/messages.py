@@ -13,6 +13,7 @@ import enum
 
 import msgspec
 
+from gracelm.model.pooling import Pooling
 from gracelm.model_step import PromptLogprobs
 from gracelm.sampling_params import SamplingParams
 
@@ -61,7 +62,13 @@ class Ready(msgspec.Struct, tag=True):
     model_name: str
     model_config: dict  # `ModelConfig` fields
     tokenizer: dict  # `Tokenizer.to_dict()`: the frontend rebuilds it without transformers or torch
+    # `file_hash.content_hash` of the model: the key of the tokenizer cache's entry, which the frontend may
+    # have read while the core started instead of rebuilding `tokenizer`.
+    model_hash: str
     num_kv_blocks: int  # the KV cache in blocks of --block-size tokens (the admission bound derives from it)
+    # An embedding model's pooling (the task the core found in the model's files for --task); None: it
+    # generates text.
+    pooling: Pooling | None = None
     # (phase, monotonic time it ended) of the core's start, for the supervisor's timeline (startup_timeline)
     startup_marks: list[tuple[str, float]] = msgspec.field(default_factory=list)
 

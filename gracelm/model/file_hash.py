@@ -55,15 +55,26 @@ def content_hash(path: str | Path) -> str:
     return _content_hash(path)
 
 
-def _content_hash(path: Path) -> str:
+def known_hash(path: str | Path) -> str | None:
+    """`content_hash(path)` where every file's hash is already kept (a `stat` each), else None: never reads
+    a model file. For a process that can use the hash if it is there and need not wait for it."""
+    try:
+        return _content_hash(Path(path).resolve(), compute=False)
+    except (OSError, LookupError):
+        return None
+
+
+def _content_hash(path: Path, compute: bool = True) -> str:
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".gguf", ".jinja"))
-        listing = "\n".join(f"{p.name} {file_hash(p)}" for p in files)
+        listing = "\n".join(f"{p.name} {file_hash(p, compute)}" for p in files)
         return hashlib.sha256(listing.encode()).hexdigest()
-    return file_hash(path)
+    return file_hash(path, compute)
 
 
-def file_hash(path: Path) -> str:
+def file_hash(path: Path, compute: bool = True) -> str:
+    """The file's sha256: from the index where it is kept; else computed and kept (`compute`), or
+    LookupError."""
     stat = path.stat()
     key = f"{path} {stat.st_size} {stat.st_mtime_ns}"
     index_path = cache_dir() / _INDEX
@@ -71,6 +82,8 @@ def file_hash(path: Path) -> str:
         index = _read_index(index_path)
         if key in index:
             return index[key]
+    if not compute:
+        raise LookupError(f"no kept hash of {path}")
     with path.open("rb") as file:
         digest = hashlib.file_digest(file, "sha256").hexdigest()
     with _lock:

@@ -91,23 +91,25 @@ def _rows(data: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
     return data.reshape(*info.shape[:-1], info.shape[-1] // block_size * type_size)
 
 
-def read_gguf(path: str | Path) -> GGUFFile:
-    """Parses the metadata and the tensor table of the GGUF file at `path`."""
+def read_gguf(path: str | Path, string_arrays: bool = True) -> GGUFFile:
+    """Parses the metadata and the tensor table of the GGUF file at `path`. Without `string_arrays`, those
+    (the vocabulary, the merges: most of the parsing) are skipped, their values None."""
     path = Path(path)
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size < 24:
             raise GGUFFormatError(f"{path} is not a GGUF file: it is too short to hold a GGUF header")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse(path, _Cursor(buf, path))
+            return _parse(path, _Cursor(buf, path, string_arrays))
 
 
 class _Cursor:
     """Sequential little-endian reads over the mapped file, each checked against its end."""
 
-    def __init__(self, buf: mmap.mmap, path: Path):
+    def __init__(self, buf: mmap.mmap, path: Path, string_arrays: bool = True):
         self.buf = buf
         self.path = path
         self.pos = 0
+        self.string_arrays = string_arrays  # else skipped (`read_gguf`)
 
     def take(self, n: int) -> int:
         """Advances over n bytes and returns where they start."""
@@ -132,20 +134,25 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise GGUFFormatError(f"{self.path} is corrupt: invalid UTF-8 string at offset {start}") from e
 
-    def strings(self, count: int) -> list[str]:
+    def strings(self, count: int) -> list[str] | None:
         """A string array: a vocabulary or a merge table, tens of thousands of items, so a tight loop."""
         buf, pos, end = self.buf, self.pos, len(self.buf)
         read_length = _U64.unpack_from
-        items = []
+        items, keep, whole = [], self.string_arrays, False
         for _ in range(count):
             if pos + 8 > end:
                 break
             (n,) = read_length(buf, pos)
-            items.append(buf[pos + 8 : pos + 8 + n])
+            if keep:
+                items.append(buf[pos + 8 : pos + 8 + n])
             pos += 8 + n
-        if len(items) < count or pos > end:
+        else:
+            whole = pos <= end
+        if not whole:
             raise GGUFFormatError(f"{self.path} is truncated or corrupt: a string array runs past its end")
         self.pos = pos
+        if not keep:
+            return None
         try:
             return [item.decode("utf-8") for item in items]
         except UnicodeDecodeError as e:

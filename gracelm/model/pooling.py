@@ -118,7 +118,7 @@ def _gguf_pooling_type(path: Path) -> int | None:
     """The `<arch>.pooling_type` of a GGUF file's metadata, or None where it has none."""
     from gracelm.model.gguf_reader import read_gguf  # gguf-py's import is of no use to a directory
 
-    metadata = read_gguf(path).metadata
+    metadata = read_gguf(path, string_arrays=False).metadata
     kind = metadata.get(f"{metadata.get('general.architecture')}.pooling_type")
     return None if kind is None else int(kind)
 

@@ -39,17 +39,25 @@ def cached_tokenizer(model_hash: str, build: Callable[[], Tokenizer]) -> Tokeniz
     return tokenizer
 
 
+def kept_tokenizer(model_hash: str) -> Tokenizer | None:
+    """The cache's tokenizer of the model, or None where it has none that reads back; a damaged entry is
+    left to `cached_tokenizer` to report and replace."""
+    return _read(entry_path(model_hash), repair=False)
+
+
 def entry_path(model_hash: str) -> Path:
     return cache_dir("tokenizers") / f"{model_hash}-v{FORMAT_VERSION}.json"
 
 
-def _read(path: Path) -> Tokenizer | None:
+def _read(path: Path, repair: bool = True) -> Tokenizer | None:
     try:
         data = json.loads(path.read_bytes())
         return Tokenizer.from_dict(data)
     except FileNotFoundError:
         return None
     except Exception as e:  # whatever a damaged entry raises: json, a KeyError, the tokenizers library
+        if not repair:
+            return None
         logger.warning("tokenizer cache entry %s is unreadable (%s: %s); building the tokenizer again",
                        path, type(e).__name__, e)
         path.unlink(missing_ok=True)

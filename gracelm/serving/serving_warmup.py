@@ -23,6 +23,7 @@ from starlette.responses import StreamingResponse
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.detokenizer import IncrementalDetokenizer
 from gracelm.model.tokenizer import Tokenizer
+from gracelm.parallel.heap import release_freed_memory
 from gracelm.serving import chat_prompt
 from gracelm.serving.api_errors import APIError
 from gracelm.serving.openai_protocol import ChatCompletionRequest
@@ -43,6 +44,9 @@ def warmed_up(lifespan: Lifespan, engine: AsyncEngine) -> Lifespan:
     async def run(app: Any) -> AsyncIterator[Any]:
         assert engine.config.max_model_len is not None  # set from the core's Ready
         await warm_up_serving(engine.tokenizer, engine.config.max_model_len)
+        # What the start-up freed (the tokenizer's parse, the core's Ready, the imports' transients) goes
+        # back to the system now, as the engine core's does: the heap would otherwise keep it resident.
+        release_freed_memory()
         async with lifespan(app) as state:
             yield state
 

@@ -1,0 +1,114 @@
+"""What the frontend does while the engine core starts (docs/architecture.md, "Start-up"): it reads the
+model's tokenizer from the cache, where the core's came from, instead of rebuilding the core's after Ready;
+it reads no model file to find the task, which the core finds and sends in Ready. `known_hash` gives a kept
+hash without hashing; `kept_tokenizer` reads an entry without repairing it, which is the core's part."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import gracelm.engine.frontend as frontend
+from gracelm import Engine
+from gracelm.cache_dir import cache_dir
+from gracelm.model.file_hash import content_hash, known_hash
+from gracelm.model.gguf_loader import open_gguf
+from gracelm.model.tokenizer import Tokenizer
+from gracelm.model.tokenizer_cache import entry_path, kept_tokenizer
+from gracelm.sampling_params import SamplingParams
+from tests.test_gguf import gguf_layout, hf_model, write_gguf
+
+ENGINE = {"dtype": "float32", "num_threads": 1, "enforce_eager": True}
+
+
+@pytest.fixture
+def gguf_file(tmp_path: Path) -> Path:
+    """A tiny GGUF file of its own: a content hash no other test shares."""
+    return write_gguf(tmp_path / "tiny.gguf", gguf_layout(hf_model("llama", seed=11), "llama"), Q.Q8_0)
+
+
+def _index() -> str | None:
+    index = cache_dir() / "file-hashes.json"
+    return index.read_text() if index.exists() else None
+
+
+def test_a_hash_is_known_once_kept_and_not_before_nor_after_a_change(tmp_path: Path) -> None:
+    path = tmp_path / "weights.gguf"
+    path.write_bytes(b"first weights")
+    before = _index()
+    assert known_hash(path) is None
+    assert _index() == before  # nothing hashed, nothing kept
+    assert known_hash(path.parent) is None  # a directory: its files' hashes are not all kept
+    digest = content_hash(path)
+    assert known_hash(path) == digest
+    path.write_bytes(b"other weights, same directory")
+    assert known_hash(path) is None
+    assert known_hash(tmp_path / "missing.gguf") is None
+
+
+def test_the_kept_tokenizer_is_the_entrys_and_a_damaged_entry_is_left_to_the_core(gguf_file: Path) -> None:
+    model_file = open_gguf(gguf_file)
+    assert kept_tokenizer(model_file.model_hash) is None  # not built yet
+    built = model_file.tokenizer()  # built and kept
+    kept = kept_tokenizer(model_file.model_hash)
+    assert kept is not None and kept.to_dict() == built.to_dict()
+    entry = entry_path(model_file.model_hash)
+    entry.write_bytes(b"{not json")
+    assert kept_tokenizer(model_file.model_hash) is None
+    assert entry.read_bytes() == b"{not json"  # the core reports and rebuilds it
+
+
+def _recording(monkeypatch: pytest.MonkeyPatch) -> list[Tokenizer | None]:
+    """What the frontend's read of the tokenizer cache returned, each time."""
+    read: list[Tokenizer | None] = []
+
+    def recorded(model_hash: str) -> Tokenizer | None:
+        read.append(kept_tokenizer(model_hash))
+        return read[-1]
+
+    monkeypatch.setattr(frontend, "kept_tokenizer", recorded)
+    return read
+
+
+def _greedy(engine: Engine) -> list[int]:
+    [output] = engine.generate(["the cat runs"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    return output.outputs[0].token_ids
+
+
+def test_a_started_model_takes_its_tokenizer_from_the_cache_while_the_core_starts(
+        gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    read = _recording(monkeypatch)
+    with Engine(str(gguf_file), **ENGINE) as cold:  # the file unknown: nothing read, the core's rebuilt
+        cold_tokenizer, cold_tokens = cold.tokenizer.to_dict(), _greedy(cold)
+    assert read == []
+    with Engine(str(gguf_file), **ENGINE) as warm:
+        assert len(read) == 1 and read[0] is not None and warm.tokenizer is read[0]
+        assert warm.tokenizer.to_dict() == cold_tokenizer and _greedy(warm) == cold_tokens
+
+
+def test_a_kept_tokenizer_of_another_model_is_not_taken(gguf_file: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    other = write_gguf(tmp_path / "other.gguf", gguf_layout(hf_model("llama", seed=12), "llama"), Q.Q8_0)
+    open_gguf(other).tokenizer()  # kept, under the other file's hash
+    monkeypatch.setattr(frontend, "known_hash", lambda path: content_hash(other))
+    read = _recording(monkeypatch)
+    with Engine(str(gguf_file), **ENGINE) as engine:
+        assert len(read) == 1 and read[0] is not None and engine.tokenizer is not read[0]
+        assert engine.tokenizer.to_dict() == open_gguf(gguf_file).tokenizer().to_dict()
+
+
+def test_the_task_comes_from_the_core_and_the_frontend_reads_no_model_file(
+        gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frontend's start reads the model's metadata nowhere: an unreadable GGUF header here would fail
+    the frontend, not the core, which reads the same file in its own process."""
+    import gracelm.model.gguf_reader as gguf_reader
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the frontend read a GGUF header")
+
+    monkeypatch.setattr(gguf_reader, "read_gguf", refused)
+    with Engine(str(gguf_file), **ENGINE) as engine:
+        assert engine.pooling is None and engine.config.task == "generate"
+        assert len(_greedy(engine)) == 4
