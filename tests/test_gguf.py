@@ -405,6 +405,26 @@ def test_truncated_file(tmp_path: Path, keep: float) -> None:
         load_gguf(path)
 
 
+def test_a_header_read_without_string_arrays_skips_them_and_checks_them_still(tmp_path: Path) -> None:
+    """`read_gguf(string_arrays=False)` (finding the task: the vocabulary and merges are not needed): every
+    other value as a whole read gives, the string arrays None; one cut short is still refused."""
+    path = write_gguf(tmp_path / "whole.gguf", gguf_layout(hf_model(), "llama"), Q.Q8_0)
+    whole, light = read_gguf(path), read_gguf(path, string_arrays=False)
+    strings = {key for key, value in whole.metadata.items() if isinstance(value, list) and value
+               and isinstance(value[0], str)}
+    assert "tokenizer.ggml.tokens" in strings
+    assert {key: None for key in strings} == {key: light.metadata[key] for key in strings}
+    assert ({k: v for k, v in whole.metadata.items() if k not in strings}
+            == {k: v for k, v in light.metadata.items() if k not in strings})
+    assert whole.tensors == light.tensors
+    data = path.read_bytes()
+    tokens = data.index(b"tokenizer.ggml.tokens")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:tokens + 200])  # inside the vocabulary's strings
+    with pytest.raises(GGUFFormatError, match="a string array runs past its end"):
+        read_gguf(cut, string_arrays=False)
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "m.gguf", gguf_layout(hf_model(), "llama"), Q.F32, arch="gpt2")
     with pytest.raises(UnsupportedModelError) as e:
