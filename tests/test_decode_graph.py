@@ -139,8 +139,9 @@ def test_each_graph_serves_its_sequences_of_a_bounded_context_only(compiled) -> 
 
 def test_each_graph_passes_its_check(compiled) -> None:
     model, graphs, _ = compiled
+    assert check(model, graphs, BLOCK) == [None] * len(graphs)
     for graph in graphs:
-        assert check(model, graph, BLOCK) is None
+        assert check(model, [graph], BLOCK) == [None]
 
 
 class Wrong(DecodeGraph):
@@ -165,9 +166,13 @@ def as_graph(graph: DecodeGraph, kind: type[DecodeGraph]) -> DecodeGraph:
 def test_a_graph_that_computes_otherwise_or_raises_fails_its_check(compiled) -> None:
     model, graphs, _ = compiled
     for graph in graphs:
-        assert "logits differ from eager's by up to" in check(model, as_graph(graph, Wrong), BLOCK)
-        assert check(model, as_graph(graph, Raising), BLOCK) == (
-            "a compiled step raised RuntimeError: a defect of the compiled code")
+        [wrong] = check(model, [as_graph(graph, Wrong)], BLOCK)
+        assert "logits differ from eager's by up to" in wrong
+        assert check(model, [as_graph(graph, Raising)], BLOCK) == [
+            "a compiled step raised RuntimeError: a defect of the compiled code"]
+    # Checked together, a failing graph fails alone.
+    assert check(model, [as_graph(graphs[0], Raising), *graphs[1:]], BLOCK) == [
+        "a compiled step raised RuntimeError: a defect of the compiled code", *[None] * (len(graphs) - 1)]
     assert model.model.decode_graphs == [] and model.model.decode_graph_failure is None
 
 
@@ -189,11 +194,17 @@ class ServesMixedSteps(DecodeGraph):
 def test_a_graph_that_skips_its_own_steps_or_takes_mixed_ones_fails_its_check(compiled) -> None:
     model, graphs, _ = compiled
     for graph in graphs:
-        assert check(model, as_graph(graph, ServesNothing), BLOCK) == (
-            "it does not serve a step of its own sequences")
+        assert check(model, [as_graph(graph, ServesNothing)], BLOCK) == [
+            "it does not serve a step of its own sequences"]
         # Served, a mixed step's rows meet a head that expects its own: it raises there, or is caught after.
-        problem = check(model, as_graph(graph, ServesMixedSteps), BLOCK)
-        assert problem == "it served a mixed step" or problem.startswith("a check step raised"), problem
+        [problem] = check(model, [as_graph(graph, ServesMixedSteps)], BLOCK)
+        assert problem == "a graph served a mixed step" or problem.startswith("a check step raised"), problem
+    # The mixed step is shared: a graph that takes it fails the graphs checked with it, and a graph already
+    # serving beside them takes part in it.
+    mixed = [as_graph(graphs[0], ServesMixedSteps), *graphs[1:]]
+    assert all(problem is not None for problem in check(model, mixed, BLOCK))
+    assert all(problem is not None for problem in check(model, graphs[1:] or graphs, BLOCK,
+                                                        serving=(mixed[0],)))
     assert model.model.decode_graphs == [] and model.model.decode_graph_failure is None
 
 

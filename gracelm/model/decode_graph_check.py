@@ -6,13 +6,15 @@ model runs two synthetic steps over a scratch KV cache of random values:
 - a step of decode tokens that the graph serves (one sequence, or three of different lengths: within one
   block, across blocks, in blocks out of order), once with the graph and once eagerly; the graph serves only
   where both agree (`close`);
-- a step that mixes a prompt with those decode tokens, which no graph serves: with the graph loaded, it must
-  run, and eagerly.
+- a step that mixes a prompt with decode tokens, which no graph serves: with the graph loaded, it must run,
+  and eagerly. Graphs loaded together share this step (a prompt's eager step costs several decode steps).
 Neither may raise. What fails is logged by the caller (`parallel/decode_graph_build.py`), which serves
 eagerly instead.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -38,10 +40,23 @@ def close(ours: torch.Tensor, eager: torch.Tensor) -> bool:
     return bool(torch.isfinite(ours).all()) and bool(within.all())
 
 
-def check(model: nn.Module, graph: DecodeGraph, block_size: int) -> str | None:
-    """None where `graph` serves `model` (a frozen `LlamaForCausalLM`) as eager does; else what differs."""
+def check(model: nn.Module, graphs: list[DecodeGraph], block_size: int,
+          serving: tuple[DecodeGraph, ...] = ()) -> list[str | None]:
+    """For each of `graphs`: None where it serves `model` (a frozen `LlamaForCausalLM`) as eager does, else
+    what differs. Each runs its own decode step; the mixed step runs once, with every graph that passed
+    loaded beside those `serving` already: one failing there fails them all (it is rare, and which of them
+    took the step is what a later load would find out)."""
+    problems = [_guarded(_decode_problem, model, graph, block_size) for graph in graphs]
+    passed = [graph for graph, problem in zip(graphs, problems, strict=True) if problem is None]
+    if not passed:
+        return problems
+    mixed = _guarded(_mixed_problem, model, [*serving, *passed], block_size)
+    return [problem if problem is not None or mixed is None else mixed for problem in problems]
+
+
+def _guarded(problem_of: Callable[..., str | None], *args: object) -> str | None:
     try:
-        return _decode_problem(model, graph, block_size) or _mixed_problem(model, graph, block_size)
+        return problem_of(*args)
     except Exception as e:  # noqa: BLE001 - the graph's failure, reported
         return f"a check step raised {type(e).__name__}: {e}"
 
@@ -49,26 +64,27 @@ def check(model: nn.Module, graph: DecodeGraph, block_size: int) -> str | None:
 def _decode_problem(model: nn.Module, graph: DecodeGraph, block_size: int) -> str | None:
     decode = _decode_batch(_contexts(graph), block_size)
     caches = _scratch_cache(model, decode, block_size)
-    ours, served, raised = _run(model, graph, decode, caches)
+    ours, served, raised = _run(model, [graph], decode, caches)
     if raised is not None:
         return raised
     if not served:
         return "it does not serve a step of its own sequences"
-    eager, _, _ = _run(model, None, decode, caches)
+    eager, _, _ = _run(model, [], decode, caches)
     if not close(ours, eager):
         return f"its logits differ from eager's by up to {float((ours - eager).abs().max()):.3g}"
     return None
 
 
-def _mixed_problem(model: nn.Module, graph: DecodeGraph, block_size: int) -> str | None:
-    """The mixed step runs once, with the graph: one that does not serve it leaves it to the eager path, which
-    a second, eager run would only compare with itself."""
-    mixed = _mixed_batch(_decode_batch(_contexts(graph), block_size), block_size)
-    logits, served, raised = _run(model, graph, mixed, _scratch_cache(model, mixed, block_size))
+def _mixed_problem(model: nn.Module, graphs: list[DecodeGraph], block_size: int) -> str | None:
+    """The mixed step runs once, with the graphs: where none serves it, it takes the eager path, which a
+    second, eager run would only compare with itself."""
+    widest = max(graphs, key=lambda graph: len(_contexts(graph)))
+    mixed = _mixed_batch(_decode_batch(_contexts(widest), block_size), block_size)
+    logits, served, raised = _run(model, graphs, mixed, _scratch_cache(model, mixed, block_size))
     if raised is not None:
         return raised
     if served:
-        return "it served a mixed step"
+        return "a graph served a mixed step"
     return None if bool(torch.isfinite(logits).all()) else "a mixed step beside it gave logits not finite"
 
 
@@ -87,15 +103,15 @@ def _scratch_cache(model: nn.Module, batch: ForwardBatch, block_size: int) -> li
     return caches
 
 
-def _run(model: nn.Module, graph: DecodeGraph | None, batch: ForwardBatch, caches: list[torch.Tensor]
+def _run(model: nn.Module, graphs: list[DecodeGraph], batch: ForwardBatch, caches: list[torch.Tensor]
          ) -> tuple[torch.Tensor, bool, str | None]:
-    """The logits of `batch` over a copy of `caches`, with `graph` as the model's only graph (None: none);
-    whether the graph ran; and why it failed where it raised (the model then ran the step eagerly). The
+    """The logits of `batch` over a copy of `caches`, with `graphs` as the model's graphs (none: eager);
+    whether a graph ran; and why it failed where one raised (the model then ran the step eagerly). The
     model's graphs and counts are left as they were."""
     decoder = model.model
     kept = decoder.decode_graphs, decoder.decode_graph_failure, decoder.compiled_steps
     try:
-        decoder.decode_graphs = [] if graph is None else [graph]
+        decoder.decode_graphs = list(graphs)
         logits = model(batch, [cache.clone() for cache in caches])
         return logits, decoder.compiled_steps > kept[2], decoder.decode_graph_failure
     finally:

@@ -111,21 +111,34 @@ class DecodeGraphBuild:
         return "partly-compiled" if decoder.decode_graphs else "eager-fallback"
 
     def _load_written(self) -> None:
-        if self.loaded.model.model.decode_graph_failure is not None:  # a compiled step raised: no more
+        decoder = self.loaded.model.model
+        if decoder.decode_graph_failure is not None:  # a compiled step raised: no more
             self._pending.clear()
             return
+        loaded: dict[range, tuple[DecodeGraph, Path]] = {}
         for rows, path in list(self._pending.items()):
-            if not path.exists():
+            if path.exists():
+                del self._pending[rows]
+                graph = self._load(path, rows)
+                if graph is not None:
+                    loaded[rows] = graph, path
+        if not loaded:
+            return
+        problems = check(self.loaded.model, [graph for graph, _ in loaded.values()], self.block_size,
+                         serving=tuple(decoder.decode_graphs))
+        startup_timeline.mark("verify")
+        for (rows, (graph, path)), problem in zip(loaded.items(), problems, strict=True):
+            if problem is not None:
+                self._fail(f"the graph of {rows.start} to {rows.stop - 1} sequences failed its check: "
+                           f"{problem}")
                 continue
-            del self._pending[rows]
-            graph = self._load(path, rows)
-            if graph is not None:
-                self.loaded.model.model.decode_graphs.append(graph)
-                logger.info("decode graph loaded from %s: decode steps of %d to %d sequences run compiled",
-                            path, rows.start, rows.stop - 1)
+            decoder.decode_graphs.append(graph)
+            logger.info("decode graph loaded from %s: decode steps of %d to %d sequences run compiled",
+                        path, rows.start, rows.stop - 1)
 
     def _load(self, path: Path, rows: range) -> DecodeGraph | None:
-        """The graph at `path`, loaded and checked (`decode_graph_check.py`); None where it failed."""
+        """The graph at `path`, loaded (checked by the caller: `decode_graph_check.py`); None where it
+        failed."""
         try:
             graph = DecodeGraph.load(path, rows, self.block_size, self.loaded.model.model)
             startup_timeline.mark("compile")  # a start's share of the compile: loading what was compiled
@@ -133,11 +146,6 @@ class DecodeGraphBuild:
             if damaged(path):  # rebuilt at the next start
                 path.unlink(missing_ok=True)
             self._fail(f"cannot load {path} ({e}){'; removed' if not path.exists() else ''}")
-            return None
-        problem = check(self.loaded.model, graph, self.block_size)
-        startup_timeline.mark("verify")
-        if problem is not None:
-            self._fail(f"the graph of {rows.start} to {rows.stop - 1} sequences failed its check: {problem}")
             return None
         return graph
 
