@@ -49,9 +49,10 @@ def _file_tensor_bytes(path) -> dict[str, int]:
 
 def test_the_default_model_is_held_in_its_files_blocks_without_a_dense_copy():
     """On a CPU whose blocks kernel serves the file's 4/8-bit blocks (AVX-512 VNNI), the default start holds
-    the file's tensors and nothing dense beside them: the weights on /metrics are the file's tensor bytes,
-    plus, the model's embeddings being tied, the logits head's own packed copy of the embedding (the
-    lookups read the file's rows, mapped)."""
+    the file's tensors and nothing dense beside them: the weights on /metrics are the file's tensor bytes
+    but the token embedding's, whose lookups read the file's rows, mapped, resident only as read (they count
+    in workspace), plus, the model's embeddings being tied, the logits head's own packed copy of the
+    embedding, read whole at every step."""
     from gracelm.model.block_linear import record_bytes, serves
     from gracelm.model.model_files import default_model_path
 
@@ -64,7 +65,9 @@ def test_the_default_model_is_held_in_its_files_blocks_without_a_dense_copy():
         linear = next(line for line in text.splitlines() if line.startswith("gracelm_kernel_path{")
                       and 'part="linear"' in line and line.endswith(" 1.0"))
     # The head's 8-bit records hold 512 weights in record_bytes(8) bytes, the file's Q8_0 blocks in 16 x 34.
-    head = stored["token_embd.weight"] * record_bytes(8) / (16 * 34)
-    within = sum(stored.values()) + head
-    assert sum(stored.values()) <= weights <= within * 1.01, (weights, within)
+    embedding = stored.pop("token_embd.weight")
+    head = embedding * record_bytes(8) / (16 * 34)
+    held = sum(stored.values()) + head
+    # Within 1 %: the float32 norms are held in bfloat16; the embedding counted whole would add 30 %.
+    assert held * 0.99 <= weights <= held * 1.01, (weights, held)
     assert "dense" not in linear, linear

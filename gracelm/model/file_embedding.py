@@ -21,6 +21,10 @@ class FileEmbedding(nn.Module):
     """`nn.Embedding`'s lookup over a GGUF tensor's stored rows. `weight` is a meta tensor of the dense
     shape and dtype: what the model reads of it (its dtype, its shape) without a dense copy."""
 
+    # The file's rows are resident only once looked up, and stay so while the page cache keeps them: what the
+    # memory report counts as workspace as they are read, not as weights (`memory_use.tensor_bytes`).
+    read_on_demand = ("stored",)
+
     def __init__(self, gguf: GGUFFile, info: GGUFTensorInfo, dtype: torch.dtype) -> None:
         super().__init__()
         with gguf.path.open("rb") as file:
