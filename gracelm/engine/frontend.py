@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import dataclasses
 import logging
+import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from gracelm.engine.errors import EngineDeadError
 from gracelm.engine.output_processor import OpenRequest, OutputProcessor
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.process_end import ProcessEnd
+from gracelm.lifecycle.signals import HANDLED_SIGNALS
 from gracelm.model.file_hash import known_hash
 from gracelm.model.model_files import resolve_model_path
 from gracelm.model.pooling import Pooling
@@ -122,10 +124,10 @@ class EngineFrontend:
         check_parallel_config(config)  # an unsplittable model is refused before any process starts
         if config.task == "embed" and config.tensor_parallel_size > 1:  # found in the files: by the core
             raise ValueError("task embed (--task) is served on one rank: tensor_parallel_size must be 1")
-        kept_tokenizer = _kept_tokenizer_soon(config.model)
+        tokenizer_read = _kept_tokenizer_soon(config.model)
         self._client = EngineCoreClient(config, self._ledger)
         try:
-            self._take_ready(config, self._client.ready, kept_tokenizer)
+            self._take_ready(config, self._client.ready, tokenizer_read)
         except BaseException:
             # Nothing would stop the running core: multiprocessing's exit would wait for it for ever.
             _stop(self._client, config.shutdown_timeout, config.shutdown_report)
@@ -141,12 +143,12 @@ class EngineFrontend:
         atexit.register(self._finalizer)
 
     def _take_ready(self, config: EngineConfig, ready: msg.Ready,
-                    kept_tokenizer: Future[tuple[str | None, Tokenizer | None]]) -> None:
+                    tokenizer_read: Future[tuple[str | None, Tokenizer | None]]) -> None:
         """What the core's Ready message says of the model it loaded."""
         # Built by the core, which reads the model's files; rebuilt here without transformers or torch,
         # unless read from the cache entry the core's came from while the core started.
         try:
-            model_hash, tokenizer = kept_tokenizer.result()
+            model_hash, tokenizer = tokenizer_read.result()
         except Exception:  # noqa: BLE001 - what the core reported of the model is what counts
             model_hash, tokenizer = None, None
         if tokenizer is None or model_hash != ready.model_hash:
@@ -318,6 +320,7 @@ def _kept_tokenizer_soon(model: str | None) -> Future[tuple[str | None, Tokenize
     future: Future[tuple[str | None, Tokenizer | None]] = Future()
 
     def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)  # they are the main thread's to take
         try:
             model_hash = known_hash(resolve_model_path(model))
             future.set_result((model_hash, None if model_hash is None else kept_tokenizer(model_hash)))
