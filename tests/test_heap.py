@@ -1,4 +1,4 @@
-"""The model process's heap policy (`gracelm/parallel/heap.py`, applied by each worker at start): after
+"""The model process's heap policy (`gracelm/lifecycle/heap.py`, applied by each worker at start): after
 `keep_freed_memory`, a step's megabyte tensors freed and allocated again reuse mapped pages instead of
 faulting fresh zeroed ones."""
 
@@ -18,7 +18,7 @@ import pytest
 # are fresh mmaps: 338,028 every time. The policy leaves a stray growth of the heap: 1,152 to 1,920.
 PROBE = """
 import resource, sys, torch
-from gracelm.parallel.heap import keep_freed_memory
+from gracelm.lifecycle.heap import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 def step(rows):

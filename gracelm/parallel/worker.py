@@ -36,6 +36,7 @@ import torch
 import gracelm.cpu_features as cpu_features
 from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.lifecycle.faults import faults
+from gracelm.lifecycle.heap import keep_freed_memory, release_freed_memory
 from gracelm.memory_budget import available_memory, gib, require
 from gracelm.model import decode_attention
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
@@ -52,7 +53,6 @@ from gracelm.model.sampler import SamplingMetadata, make_generator, sample
 from gracelm.model.token_constraints import ConstraintStates, has_constraints
 from gracelm.model_step import ModelStep, SampledToken, SamplingFault, StepBatch, StepResult
 from gracelm.parallel.draft_model import DraftModel
-from gracelm.parallel.heap import keep_freed_memory, release_freed_memory
 from gracelm.parallel.layout import check_shardable, shard_config
 from gracelm.parallel.sharding import CommTimer, TensorParallelModel
 from gracelm.parallel.spec_verify import verify

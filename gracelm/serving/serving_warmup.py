@@ -22,8 +22,8 @@ from starlette.responses import StreamingResponse
 
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.detokenizer import IncrementalDetokenizer
+from gracelm.lifecycle.heap import release_freed_memory
 from gracelm.model.tokenizer import Tokenizer
-from gracelm.parallel.heap import release_freed_memory
 from gracelm.serving import chat_prompt
 from gracelm.serving.api_errors import APIError
 from gracelm.serving.openai_protocol import ChatCompletionRequest

@@ -1,4 +1,5 @@
-"""The model process's heap keeps what a step frees, for the next step (`keep_freed_memory`).
+"""A process's C heap: the model process's keeps what a step frees, for the next step (`keep_freed_memory`);
+every serving process returns what its start-up freed, once (`release_freed_memory`).
 
 A decode step of a few dozen sequences allocates and frees megabyte tensors every time: the logits
 [rows, vocabulary] in bfloat16 and float32 (6.3 MB at 32 rows of the default model's 49,152 tokens), and
@@ -13,7 +14,8 @@ each): 823-953 output tok/s against 657-886, ITL p99 48-54 ms against 65-75.
 The cost: the process keeps up to 256 MB of freed heap (its peak transient use, in practice tens of MB)
 instead of returning it; the KV cache and weights (far above 64 MB each, or memory-mapped) are unaffected.
 What the load freed (a cold start's conversions above all) is returned once, before serving
-(`release_freed_memory`): that peak is not a step's.
+(`release_freed_memory`): that peak is not a step's. The HTTP process returns its own start-up's (the
+tokenizer's parse, the imports' transients) once its warm-up is done.
 """
 
 from __future__ import annotations
