@@ -90,16 +90,37 @@ def test_a_load_counts_converting_as_repack_and_a_cache_hit_as_read(tmp_path: Pa
     assert [part.split()[0] for part in timeline.load_split().split(", ")] == list(startup_timeline.LOAD_WORK)
 
 
+def _chunked_sha256(data: bytes) -> str:
+    """The content hash's definition, written out: sha256 of the sha256 digests of `CHUNK`-byte chunks."""
+    chunks = [data[at:at + file_hash.CHUNK] for at in range(0, len(data), file_hash.CHUNK)]
+    return hashlib.sha256(b"".join(hashlib.sha256(chunk).digest() for chunk in chunks)).hexdigest()
+
+
+@pytest.mark.parametrize("size", [0, 1, file_hash.CHUNK, 2 * file_hash.CHUNK + 12345])
+def test_a_files_hash_digests_its_chunks_in_order(tmp_path: Path, size: int) -> None:
+    """Computed by several threads, the hash is the definition's, whatever the chunks' count; a chunk moved
+    elsewhere in the file changes it."""
+    data = os.urandom(size)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data)
+    assert content_hash(path) == _chunked_sha256(data)
+    if size > file_hash.CHUNK:
+        swapped = tmp_path / "swapped.bin"
+        swapped.write_bytes(data[file_hash.CHUNK:2 * file_hash.CHUNK] + data[:file_hash.CHUNK]
+                            + data[2 * file_hash.CHUNK:])
+        assert content_hash(swapped) != content_hash(path)
+
+
 def test_a_prefetched_hash_is_the_files_and_a_failed_one_fails_as_a_hash_does(tmp_path: Path) -> None:
     """`file_hash.prefetch` (the engine core's, beside its imports): the next `content_hash` takes its result,
     a file changed since is hashed again, and a file that cannot be read raises as without a prefetch."""
     path = tmp_path / "weights.bin"
     path.write_bytes(os.urandom(3 << 20))
     file_hash.prefetch(path)
-    assert content_hash(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert content_hash(path) == _chunked_sha256(path.read_bytes())
     path.write_bytes(b"other weights")
     file_hash.prefetch(path)
-    assert content_hash(path) == hashlib.sha256(b"other weights").hexdigest()
+    assert content_hash(path) == _chunked_sha256(b"other weights")
     missing = tmp_path / "missing.gguf"
     file_hash.prefetch(missing)
     with pytest.raises(FileNotFoundError):

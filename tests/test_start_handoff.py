@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as Q
 import gracelm.engine.frontend as frontend
 from gracelm import Engine
 from gracelm.cache_dir import cache_dir
+from gracelm.model import file_hash
 from gracelm.model.file_hash import content_hash, known_hash
 from gracelm.model.gguf_loader import open_gguf
 from gracelm.model.tokenizer import Tokenizer
@@ -30,7 +31,7 @@ def gguf_file(tmp_path: Path) -> Path:
 
 
 def _index() -> str | None:
-    index = cache_dir() / "file-hashes.json"
+    index = cache_dir() / file_hash.INDEX
     return index.read_text() if index.exists() else None
 
 

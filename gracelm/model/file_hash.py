@@ -4,24 +4,35 @@ path, size and modification time (a file changed in place gets a new hash; an un
 the converted-weights cache are keyed by.
 
 `prefetch` starts a hash in a thread, which the next `content_hash` of the same path waits for: hashlib
-reads and digests without holding the GIL, so the engine core hashes a new file beside its own imports
+digests without holding the GIL, so the engine core hashes a new file beside its own imports
 (`engine/core_entry.py`).
+
+A file's hash is the sha256 of its `CHUNK`s' sha256 digests, in order, which threads compute side by side
+(`_THREADS`): one sha256 stream runs on one CPU, and an 8B model's first start would otherwise wait seconds
+for its 5 GB while the other CPUs idle. The index names the definition (`INDEX`), so a hash kept under
+another is never taken for this one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import mmap
+import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from gracelm.cache_dir import cache_dir, write_atomic
 
 logger = logging.getLogger(__name__)
 
-_INDEX = "file-hashes.json"
+INDEX = "file-hashes-v2.json"  # v2: the digest of chunks' digests
+CHUNK = 32 << 20
+# Threads that digest a file's chunks: the CPUs a start leaves idle while it waits for the hash, at most.
+_THREADS = min(4, len(os.sched_getaffinity(0)))
 _lock = threading.Lock()  # one process's threads update the index one at a time
 _prefetched: dict[Path, Future[str]] = {}
 
@@ -43,7 +54,8 @@ def prefetch(path: str | Path) -> None:
 
 
 def content_hash(path: str | Path) -> str:
-    """sha256 (hex) of a file's bytes; of a directory, of its weight and config files' names and hashes."""
+    """A file's digest of its chunks' sha256 digests (hex; see above); a directory's, sha256 of its weight and
+    config files' names and hashes."""
     path = Path(path).resolve()
     with _lock:
         future = _prefetched.pop(path, None)
@@ -73,25 +85,44 @@ def _content_hash(path: Path, compute: bool = True) -> str:
 
 
 def file_hash(path: Path, compute: bool = True) -> str:
-    """The file's sha256: from the index where it is kept; else computed and kept (`compute`), or
+    """The file's hash (`_digest`): from the index where it is kept; else computed and kept (`compute`), or
     LookupError."""
     stat = path.stat()
     key = f"{path} {stat.st_size} {stat.st_mtime_ns}"
-    index_path = cache_dir() / _INDEX
+    index_path = cache_dir() / INDEX
     with _lock:
         index = _read_index(index_path)
         if key in index:
             return index[key]
     if not compute:
         raise LookupError(f"no kept hash of {path}")
-    with path.open("rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    digest = _digest(path)
     with _lock:
         index = _read_index(index_path)  # another process may have added entries meanwhile
         index = {k: v for k, v in index.items() if not k.startswith(f"{path} ")}  # older versions go
         index[key] = digest
         write_atomic(index_path, json.dumps(index, indent=0).encode())
     return digest
+
+
+def _digest(path: Path) -> str:
+    """sha256 of the sha256 digests of the file's `CHUNK`-byte chunks, in order (an empty file: of none)."""
+    with path.open("rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    if mapping is None:
+        return hashlib.sha256().hexdigest()
+
+    def chunk(start: int) -> bytes:
+        with memoryview(mapping)[start:start + CHUNK] as part:
+            return hashlib.sha256(part).digest()
+
+    try:
+        with ThreadPoolExecutor(_THREADS, thread_name_prefix="content-hash") as pool:
+            return hashlib.sha256(b"".join(pool.map(chunk, range(0, size, CHUNK)))).hexdigest()
+    finally:
+        with contextlib.suppress(BufferError):  # a view an error's traceback holds: unmapped with it
+            mapping.close()
 
 
 def _read_index(index_path: Path) -> dict[str, str]:
