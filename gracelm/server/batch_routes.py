@@ -37,6 +37,9 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 _CONTENT = {200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
                   "description": "The file's bytes."}, **errors(401, 404, 500)}
 
+# Made at import, while the engine core loads (`openapi_docs.json_body`).
+_CREATE_BODY = json_body(BatchCreateRequest)
+
 
 def batch_router(journal: Journal | None, runner: BatchRunner | None) -> APIRouter:
     """The routes, to be included under `/v1` (with its API key); `journal` None: no `--state-dir`."""
@@ -78,7 +81,7 @@ def batch_router(journal: Journal | None, runner: BatchRunner | None) -> APIRout
         return Response(_found(content, "File", file_id), media_type="application/octet-stream")
 
     @router.post("/batches", responses=answers(BatchObject, 400, 401, 404, 413, 415, 500),
-                 openapi_extra=json_body(BatchCreateRequest))
+                 openapi_extra=_CREATE_BODY)
     async def create_batch(raw_request: Request) -> dict:
         req = await parse_request(raw_request, BatchCreateRequest)
         _check_batch_request(req)

@@ -13,12 +13,15 @@ from gracelm.serving.request_client import HttpClient
 from gracelm.serving.request_fields import parse_request
 from gracelm.serving.serving_embedding import ServingEmbedding
 
+# Made at import, while the engine core loads (`openapi_docs.json_body`).
+_BODY = json_body(EmbeddingRequest)
+
 
 def embeddings_router(embedding: ServingEmbedding, auth: list[Depends]) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=auth)
 
     @router.post("/embeddings", responses=answers(EmbeddingResponse, 400, 401, 404, 413, 415, 429, 500, 503),
-                 openapi_extra=json_body(EmbeddingRequest))
+                 openapi_extra=_BODY)
     async def create_embeddings(raw_request: Request) -> dict:
         req = await parse_request(raw_request, EmbeddingRequest)
         return (await embedding.create(req, HttpClient(raw_request))).model_dump()

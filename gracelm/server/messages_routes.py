@@ -46,21 +46,24 @@ _ERRORS = {
          "(`overloaded_error`); `Retry-After` says when to retry.",
 }
 
+# Made at import, while the engine core loads (`openapi_docs.json_body`).
+_MESSAGES_BODY = json_body(MessagesRequest)
+_COUNT_BODY = json_body(CountTokensRequest)
+
 
 def messages_router(chat: ServingChat, auth: list[Depends]) -> APIRouter:
     """The two routes, over the chat endpoint's planning."""
     messages = ServingMessages(chat)
     router = APIRouter(prefix="/v1", dependencies=[*auth, Depends(check_betas)])
 
-    @router.post("/messages", responses=_answers(MessagesResponse, stream=True),
-                 openapi_extra=json_body(MessagesRequest))
+    @router.post("/messages", responses=_answers(MessagesResponse, stream=True), openapi_extra=_MESSAGES_BODY)
     async def create_message(raw_request: Request) -> Response:
         req = await parse_request(raw_request, MessagesRequest)
         answer = await messages.create(req, HttpClient(raw_request))
         return answer if isinstance(answer, Response) else JSONResponse(answer.model_dump())
 
     @router.post("/messages/count_tokens", responses=_answers(CountTokensResponse, stream=False),
-                 openapi_extra=json_body(CountTokensRequest))
+                 openapi_extra=_COUNT_BODY)
     async def count_tokens(raw_request: Request) -> dict:
         req = await parse_request(raw_request, CountTokensRequest)
         return (await messages.count_tokens(req)).model_dump()

@@ -32,6 +32,14 @@ from gracelm.serving.serving_chat import ServingChat
 from gracelm.serving.serving_completion import ServingCompletion
 from gracelm.serving.serving_options import ServingOptions
 
+# Made at import, while the engine core loads (`openapi_docs.json_body`).
+_CHAT_ANSWERS = generation(ChatCompletionResponse, ChatCompletionChunk)
+_CHAT_BODY = json_body(ChatCompletionRequest)
+_COMPLETION_ANSWERS = generation(CompletionResponse, CompletionResponse)
+_COMPLETION_BODY = json_body(CompletionRequest)
+_TOKENIZE_BODY = json_body(TokenizeRequest)
+_DETOKENIZE_BODY = json_body(DetokenizeRequest)
+
 
 def openai_router(engine: AsyncEngine, served: ServingOptions, chat: ServingChat,
                   completion: ServingCompletion, auth: list[Depends]) -> APIRouter:
@@ -46,14 +54,12 @@ def openai_router(engine: AsyncEngine, served: ServingOptions, chat: ServingChat
         cards = [ModelCard(id=name, **card_fields) for name in served.model_names]
         return ModelList(data=cards).model_dump()
 
-    @v1.post("/chat/completions", responses=generation(ChatCompletionResponse, ChatCompletionChunk),
-             openapi_extra=json_body(ChatCompletionRequest))
+    @v1.post("/chat/completions", responses=_CHAT_ANSWERS, openapi_extra=_CHAT_BODY)
     async def chat_completions(raw_request: Request) -> Response:
         req = await parse_request(raw_request, ChatCompletionRequest)
         return _answer(await chat.create(req, HttpClient(raw_request)))
 
-    @v1.post("/completions", responses=generation(CompletionResponse, CompletionResponse),
-             openapi_extra=json_body(CompletionRequest))
+    @v1.post("/completions", responses=_COMPLETION_ANSWERS, openapi_extra=_COMPLETION_BODY)
     async def completions(raw_request: Request) -> Response:
         req = await parse_request(raw_request, CompletionRequest)
         return _answer(await completion.create(req, HttpClient(raw_request)))
@@ -67,7 +73,7 @@ def tokens_router(engine: AsyncEngine, served: ServingOptions, chat: ServingChat
     tokens = APIRouter(dependencies=auth)
 
     @tokens.post("/tokenize", responses=answers(TokenizeResponse, 400, 401, 404, 413, 415, 500),
-                 openapi_extra=json_body(TokenizeRequest))
+                 openapi_extra=_TOKENIZE_BODY)
     async def tokenize(raw_request: Request) -> dict:
         req = await parse_request(raw_request, TokenizeRequest)
         chat.check_model(req.model)
@@ -75,7 +81,7 @@ def tokens_router(engine: AsyncEngine, served: ServingOptions, chat: ServingChat
         return answer.model_dump(exclude_none=True)
 
     @tokens.post("/detokenize", responses=answers(DetokenizeResponse, 400, 401, 404, 413, 415, 500),
-                 openapi_extra=json_body(DetokenizeRequest))
+                 openapi_extra=_DETOKENIZE_BODY)
     async def detokenize(raw_request: Request) -> dict:
         req = await parse_request(raw_request, DetokenizeRequest)
         chat.check_model(req.model)

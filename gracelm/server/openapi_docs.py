@@ -163,7 +163,10 @@ def generation(answer: type[BaseModel], chunk: type[BaseModel]) -> dict[int | st
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """The `openapi_extra=` of a route that parses `model` from its JSON body itself. The nested models'
-    schemas go to the schema's components when the app's schema is built (`install_openapi`)."""
+    schemas go to the schema's components when the app's schema is built (`install_openapi`). A schema takes
+    milliseconds to make: the route modules make theirs as module constants, so that they are made when the
+    HTTP stack is imported, in a thread beside the engine core's load (`server/api_server.py`), and not while
+    the app is built after the core is ready."""
     schema = _schema(model, "validation")
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 

@@ -40,6 +40,9 @@ _CREATED = {200: {"model": ResponseObject, "content": {"text/event-stream": {"sc
                                  "`response.failed`."},
             **errors(400, 401, 404, 413, 415, 429, 500, 503)}
 
+# Made at import, while the engine core loads (`openapi_docs.json_body`).
+_BODY = json_body(ResponsesRequest)
+
 
 def responses_router(chat: ServingChat, journal: Journal | None, settings: ServerConfig) -> APIRouter:
     """The routes over `journal` (None: no `--state-dir`; nothing stored), bounded as `settings` say."""
@@ -51,7 +54,7 @@ def responses_router(chat: ServingChat, journal: Journal | None, settings: Serve
     serving = ServingResponses(chat, store)
     router = APIRouter()
 
-    @router.post("/responses", responses=_CREATED, openapi_extra=json_body(ResponsesRequest))
+    @router.post("/responses", responses=_CREATED, openapi_extra=_BODY)
     async def create_response(raw_request: Request) -> Response:
         req = await parse_request(raw_request, ResponsesRequest)
         answer = await serving.create(req, HttpClient(raw_request))

@@ -71,6 +71,10 @@ from gracelm.serving.serving_options import ServingOptions
 # this time is not fit to take requests.
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
+# Made at import, while the engine core loads (`openapi_docs.json_body`).
+_CHAT_BODY = json_body(ChatCompletionRequest)
+_COMPLETION_BODY = json_body(CompletionRequest)
+
 
 def worker_routers(engine: AsyncEngine, state: ServerState, served: ServingOptions, chat: ServingChat,
                    completion: ServingCompletion, auth: list[Depends]) -> list[APIRouter]:
@@ -161,13 +165,13 @@ def render_router(chat: ServingChat, completion: ServingCompletion, auth: list[D
     statuses = (400, 401, 404, 413, 415, 500)
 
     @v1.post("/chat/completions/render", responses=answers(RenderedRequest, *statuses),
-             openapi_extra=json_body(ChatCompletionRequest))
+             openapi_extra=_CHAT_BODY)
     async def render_chat(raw_request: Request) -> dict:
         req = await parse_request(raw_request, ChatCompletionRequest)
         return (await serving_render.render_chat(chat, req, HttpClient(raw_request))).model_dump()
 
     @v1.post("/completions/render", responses=answers(RenderedRequests, *statuses),
-             openapi_extra=json_body(CompletionRequest))
+             openapi_extra=_COMPLETION_BODY)
     async def render_completion(raw_request: Request) -> list:
         req = await parse_request(raw_request, CompletionRequest)
         return (await serving_render.render_completion(completion, req, HttpClient(raw_request))).model_dump()
