@@ -1,7 +1,8 @@
 """What the frontend does while the engine core starts (docs/architecture.md, "Start-up"): it reads the
 model's tokenizer from the cache, where the core's came from, instead of rebuilding the core's after Ready;
 it reads no model file to find the task, which the core finds and sends in Ready. `known_hash` gives a kept
-hash without hashing; `kept_tokenizer` reads an entry without repairing it, which is the core's part."""
+hash without hashing; `kept_tokenizer` reads an entry without repairing it, which is the core's part. The
+core's own tokenizer, read from the cache, stays its serialized form until a request needs text encoded."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ from gguf import GGMLQuantizationType as Q
 import gracelm.engine.frontend as frontend
 from gracelm import Engine
 from gracelm.cache_dir import cache_dir
+from gracelm.config import EngineConfig
+from gracelm.engine.core import EngineCore
 from gracelm.model import file_hash
 from gracelm.model.file_hash import content_hash, known_hash
 from gracelm.model.gguf_loader import open_gguf
+from gracelm.model.token_constraints import GrammarCompiler
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import entry_path, kept_tokenizer
 from gracelm.sampling_params import SamplingParams
+from gracelm.structured_output import StructuredOutputs
 from tests.test_gguf import gguf_layout, hf_model, write_gguf
 
 ENGINE = {"dtype": "float32", "num_threads": 1, "enforce_eager": True}
@@ -113,3 +118,24 @@ def test_the_task_comes_from_the_core_and_the_frontend_reads_no_model_file(
     with Engine(str(gguf_file), **ENGINE) as engine:
         assert engine.pooling is None and engine.config.task == "generate"
         assert len(_greedy(engine)) == 4
+
+
+def test_the_cores_tokenizer_is_built_only_where_a_request_needs_its_text_encoded(gguf_file: Path) -> None:
+    """A warm start's engine core (its tokenizer from the cache) sends, fingerprints and compiles grammars
+    from the serialized form: its start, warm-up included, builds no `tokenizers` object; encoding does."""
+    config = EngineConfig(model=str(gguf_file), dtype="float32", num_threads=1, enforce_eager=True,
+                          kv_cache_memory="1MiB", max_model_len=256)
+    EngineCore(config).executor.shutdown()  # the first start builds the tokenizer, and keeps it
+    core = EngineCore(config)
+    try:
+        tokenizer = core.tokenizer
+        assert tokenizer._backend is None
+        compiler = GrammarCompiler(tokenizer, core.model_config.vocab_size)
+        assert not compiler.matcher(StructuredOutputs(regex="[a-z]{2,5}")).is_error()
+        assert tokenizer._backend is None
+        built = open_gguf(gguf_file).tokenizer()
+        assert tokenizer.to_dict() == built.to_dict() and tokenizer._backend is None
+        assert tokenizer.encode("the cat runs") == built.encode("the cat runs")
+        assert tokenizer._backend is not None
+    finally:
+        core.executor.shutdown()

@@ -323,7 +323,10 @@ def _kept_tokenizer_soon(model: str | None) -> Future[tuple[str | None, Tokenize
         signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)  # they are the main thread's to take
         try:
             model_hash = known_hash(resolve_model_path(model))
-            future.set_result((model_hash, None if model_hash is None else kept_tokenizer(model_hash)))
+            tokenizer = None if model_hash is None else kept_tokenizer(model_hash)
+            if tokenizer is not None:
+                tokenizer.backend  # noqa: B018 - built here, beside the core's start, not after Ready
+            future.set_result((model_hash, tokenizer))
         except BaseException as e:  # noqa: BLE001 - the core reports what is wrong with the model
             future.set_exception(e)
 

@@ -46,10 +46,10 @@ class Tokenizer:
     it run on into a new turn it invents.
     """
 
-    def __init__(self, backend: Backend, *, name: str, chat_template: str | None,
+    def __init__(self, backend: Backend | None, *, name: str, chat_template: str | None,
                  special_tokens: dict[str, str | None], eos_token_ids: Iterable[int] | None = None,
                  extra_eos_ids: Iterable[int] = ()) -> None:
-        self.backend = backend
+        self._backend = backend
         self.name = name
         self.chat_template = chat_template
         self.special_tokens = {k: v for k, v in special_tokens.items() if k in _SPECIAL_TOKEN_NAMES and v}
@@ -58,6 +58,17 @@ class Tokenizer:
             eos_token_ids = dict.fromkeys(i for i in ids if i is not None)
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         self._serialized: dict[str, Any] | None = None  # `to_dict`'s result, made once (~50 ms)
+
+    @property
+    def backend(self) -> Backend:
+        """The `tokenizers` tokenizer. One rebuilt from its serialized form (`from_dict`) is built at its
+        first use: the engine core sends, caches and fingerprints the serialized form, and hands it to
+        llguidance, so only a request whose text it must encode (bad words) builds it there; until then the
+        core does not hold it (for a 128k-token vocabulary, tens of MB, and a good part of a warm start)."""
+        if self._backend is None:
+            assert self._serialized is not None  # `from_dict`'s
+            self._backend = Backend.from_str(self._serialized["backend"])
+        return self._backend
 
     # -- building -------------------------------------------------------------------------------------
 
@@ -121,7 +132,7 @@ class Tokenizer:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Tokenizer:
-        tokenizer = cls(Backend.from_str(data["backend"]), name=data["name"],
+        tokenizer = cls(None, name=data["name"],
                         chat_template=data["chat_template"], special_tokens=data["special_tokens"],
                         eos_token_ids=data["eos_token_ids"])
         tokenizer._serialized = data  # what it was rebuilt from is already its serialized form
