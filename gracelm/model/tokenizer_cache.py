@@ -5,7 +5,9 @@ its serialized form (`Tokenizer.to_dict`) loads with the `tokenizers` library in
 An entry is `cache_dir("tokenizers")/<content hash>-v<FORMAT_VERSION>.json`, keyed by the model files'
 content hash (`file_hash.content_hash`), so a changed file never reuses an old entry. A hit imports no
 transformers. An entry that cannot be read back (torn by hand, a format a bug wrote) is logged, deleted and
-built again: the cache can only cost a rebuild, never a start.
+built again: the cache can only cost a rebuild, never a start. What is checked is the JSON and its keys: the
+`tokenizers` object is built from the entry at its first use (`Tokenizer.backend`), and entries are written
+whole (`write_atomic`), so only an entry edited into other valid JSON by hand could fail there.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _read(path: Path, repair: bool = True) -> Tokenizer | None:
         return Tokenizer.from_dict(data)
     except FileNotFoundError:
         return None
-    except Exception as e:  # whatever a damaged entry raises: json, a KeyError, the tokenizers library
+    except Exception as e:  # whatever a damaged entry raises: json, a missing key
         if not repair:
             return None
         logger.warning("tokenizer cache entry %s is unreadable (%s: %s); building the tokenizer again",
