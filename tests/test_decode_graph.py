@@ -8,8 +8,11 @@ from the cache without compiling, and nothing of the packages is left in TMPDIR.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import re
+import shutil
 import signal
 import tempfile
 import time
@@ -23,16 +26,20 @@ from openai import OpenAI
 
 import gracelm.cpu_features as cpu_features
 from gracelm.config import EngineConfig
+from gracelm.lifecycle.ledger import Ledger
+from gracelm.model import decode_graph, decode_graph_proof
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.block_linear import serves as blocks_serve
 from gracelm.model.decode_graph import MAX_CONTEXT, DecodeGraph, damaged
 from gracelm.model.decode_graph_check import check, close
+from gracelm.model.decode_graph_proof import keep_proof, proof_path, proven
 from gracelm.model.forward_batch import ForwardBatch
-from gracelm.model.loader import load_model
-from gracelm.parallel.decode_graph_build import graph_files
+from gracelm.model.loader import LoadedModel, load_model
+from gracelm.parallel import decode_graph_build
+from gracelm.parallel.decode_graph_build import DecodeGraphBuild, graph_files
 from gracelm.parallel.worker import dense_weights_for
 from tests.faults.helpers import small_filesystem
-from tests.kernel_paths import BY_NAME, matrix_gguf
+from tests.kernel_paths import BY_NAME, KernelPath, matrix_gguf
 from tests.server_process import ServerProcess
 
 BLOCK = 16
@@ -51,16 +58,22 @@ IN_PROCESS = [BY_NAME[name] for name in ("blocks-amx", "blocks-vnni", "int4-bflo
               if BY_NAME[name].why_not_here() is None]
 
 
-@pytest.fixture(scope="module", params=IN_PROCESS, ids=lambda path: path.name)
-def compiled(gguf: Path, graph_cache: Path, request: pytest.FixtureRequest) -> Iterator[tuple]:
-    """The model of a path, in bfloat16 (or float32 where bfloat16 is emulated), with the graphs the suite
-    built for it (`conftest.graph_cache`) and their packages; the path's CPU features masked meanwhile."""
-    path = request.param
+@contextlib.contextmanager
+def path_model(gguf: Path, path: KernelPath) -> Iterator[tuple[EngineConfig, LoadedModel, dict[range, Path]]]:
+    """The engine options of a path, its model in bfloat16 (or float32 where bfloat16 is emulated) and the
+    packages of the graphs the suite built for it (`conftest.graph_cache`); the path's CPU features masked
+    meanwhile."""
     with cpu_features.masking(path.mask):
         config = EngineConfig(model=str(gguf), **path.engine_options())
         loaded = load_model(gguf, dense_weights=dense_weights_for(config))  # the model a server's core has
         loaded.freeze()
-        files = graph_files(config, loaded)
+        yield config, loaded, graph_files(config, loaded)
+
+
+@pytest.fixture(scope="module", params=IN_PROCESS, ids=lambda path: path.name)
+def compiled(gguf: Path, graph_cache: Path, request: pytest.FixtureRequest) -> Iterator[tuple]:
+    """A path's model with its graphs loaded (not serving) and their packages."""
+    with path_model(gguf, request.param) as (_, loaded, files):
         graphs = [DecodeGraph.load(file, rows, BLOCK, loaded.model.model) for rows, file in files.items()]
         yield loaded.model, graphs, list(files.values())
 
@@ -208,6 +221,78 @@ def test_a_graph_that_skips_its_own_steps_or_takes_mixed_ones_fails_its_check(co
     assert model.model.decode_graphs == [] and model.model.decode_graph_failure is None
 
 
+@pytest.fixture()
+def own_graph_cache(gguf: Path, graph_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                    ) -> Iterator[tuple[EngineConfig, LoadedModel, list[Path]]]:
+    """The first in-process path's model, and a cache of its own holding copies of its packages (the proofs
+    written here stay out of the suite's cache, whose servers would otherwise skip their checks)."""
+    monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path))
+    with path_model(gguf, IN_PROCESS[0]) as (config, loaded, files):
+        for package in files.values():
+            shutil.copy(graph_cache / "graphs" / package.name, package)
+        yield config, loaded, list(files.values())
+
+
+def built(config: EngineConfig, loaded: LoadedModel, checked: list[int], monkeypatch: pytest.MonkeyPatch,
+          verdict: str | None = None) -> list[DecodeGraph]:
+    """The graphs a start's build of `loaded` serves (its packages all written), each check's count of graphs
+    appended to `checked`; `verdict`: every check's answer instead of the real one."""
+    def spied(model, graphs, *args, **kwargs) -> list[str | None]:
+        checked.append(len(graphs))
+        return [verdict] * len(graphs) if verdict else check(model, graphs, *args, **kwargs)
+
+    monkeypatch.setattr(decode_graph_build, "check", spied)
+    loaded.model.model.decode_graphs = []
+    try:
+        build = DecodeGraphBuild(config, loaded, 0, Ledger())
+        assert build.status() in ("compiled", "eager-fallback")  # nothing compiling: every package was there
+        return loaded.model.model.decode_graphs
+    finally:
+        loaded.model.model.decode_graphs = []
+
+
+def test_a_graph_that_passed_its_check_is_not_checked_again_with_the_same_code(
+        own_graph_cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    config, loaded, packages = own_graph_cache
+    checked: list[int] = []
+    assert len(built(config, loaded, checked, monkeypatch, verdict="a defect")) == 0
+    assert checked == [len(packages)] and not any(proof_path(p).exists() for p in packages)  # failed: none
+    assert len(built(config, loaded, checked, monkeypatch)) == len(packages)
+    assert checked[1:] == [len(packages)] and all(proven(p) for p in packages)
+    assert len(built(config, loaded, checked, monkeypatch)) == len(packages)
+    assert checked[2:] == [0]  # proven, loaded unchecked
+    # Another thread count, or other code: the check runs again.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert not any(proven(p) for p in packages)
+    finally:
+        torch.set_num_threads(threads)
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_graph_proof, "code_digest", lambda: "other code")
+        assert not any(proven(p) for p in packages)
+        assert len(built(config, loaded, checked, monkeypatch)) == len(packages)
+        assert checked[3:] == [len(packages)] and all(proven(p) for p in packages)
+    assert not any(proven(p) for p in packages)  # the proofs now state the other code
+
+
+def test_a_proof_holds_for_its_packages_bytes_only_and_goes_with_its_package(own_graph_cache) -> None:
+    _, _, packages = own_graph_cache
+    package = packages[0]
+    keep_proof(package)
+    assert proven(package) and set(json.loads(proof_path(package).read_bytes())) == {"package", "code",
+                                                                                     "threads"}
+    with package.open("ab") as file:
+        file.write(b"\0")  # other bytes under the same key
+    assert not proven(package)
+    proof_path(package).write_bytes(b"not json")
+    assert not proven(package)
+    package.unlink()
+    decode_graph._prune(package.parent)
+    assert not proof_path(package).exists()
+    assert all(p.exists() for p in packages[1:])
+
+
 def test_a_compiled_step_that_raises_is_run_eagerly_and_the_graphs_are_dropped(compiled) -> None:
     model, graphs, _ = compiled
     caches = allocate_kv_cache(model.config, 8, BLOCK, model.model.embed_tokens.weight.dtype)
@@ -304,8 +389,10 @@ def test_a_server_compiles_in_the_background_then_serves_compiled_and_the_next_s
         assert re.search(r"decode graph compiler \(pid \d+\).*released", server.log()), server.log()[-3000:]
     packages = list((tmp_path / "cache" / "graphs").glob("*.pt2"))
     assert len(packages) == 2 and not any(p.name.startswith(".") for p in packages)
+    assert all(proof_path(p).exists() for p in packages)  # checked as they loaded
     with ServerProcess(gguf, *args, env=env) as again:
         assert re.search(r"decode graph loaded.*\n(.*\n)*.*engine core ready", again.log()), again.log()
+        assert again.log().count("run compiled (its check passed at an earlier start)") == 2, again.log()
         assert "compiling in the background" not in again.log() and not compiler_pids(again)
         assert [greedy(again, p) for p in ("the cat", "a river of light")] == before
 

@@ -37,7 +37,8 @@ forms' layout, torch's version, the CPU (its vector capability, the features in 
 attention kernel, the graph's sequences and `FORMAT_VERSION`. Building them takes tens of seconds of one
 core each; `parallel/decode_graph_build.py` does it in a child process after the first start while the
 engine serves eagerly, and every later start loads them in a fraction of a second. Before a loaded
-graph serves it proves itself (`decode_graph_check.py`).
+graph serves it proves itself (`decode_graph_check.py`), once for the same package and code: the proof is
+kept beside it (`decode_graph_proof.py`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from gracelm.arith import cdiv
 from gracelm.cache_dir import cache_dir, mtime
 from gracelm.model import decode_attention
 from gracelm.model.attention import AttentionMetadata, QueryGroup, allocate_kv_cache
+from gracelm.model.decode_graph_proof import SUFFIX as PROOF_SUFFIX
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.kv_snapshot import pid_alive
 
@@ -290,10 +292,14 @@ def damaged(package: Path) -> bool:
 
 
 def _prune(folder: Path) -> None:
-    """Keeps the `MAX_ENTRIES` most recently used packages, and no temporary file of a dead compiler."""
+    """Keeps the `MAX_ENTRIES` most recently used packages, the proofs of their checks
+    (`decode_graph_proof.py`) and no others, and no temporary file of a dead compiler."""
     packages = sorted(folder.glob("*.pt2"), key=mtime, reverse=True)
     for stale in packages[MAX_ENTRIES:]:
         stale.unlink(missing_ok=True)
+    for proof in folder.glob(f"*{PROOF_SUFFIX}"):
+        if not proof.with_suffix(".pt2").exists():
+            proof.unlink(missing_ok=True)
     for temporary in folder.glob(".*.pt2"):
         pid = temporary.stem.rsplit(".", 1)[-1]
         if pid.isdigit() and not pid_alive(int(pid)):

@@ -9,7 +9,8 @@ model runs two synthetic steps over a scratch KV cache of random values:
 - a step that mixes a prompt with decode tokens, which no graph serves: with the graph loaded, it must run,
   and eagerly. Graphs loaded together share this step (a prompt's eager step costs several decode steps).
 Neither may raise. What fails is logged by the caller (`parallel/decode_graph_build.py`), which serves
-eagerly instead.
+eagerly instead. What passes is not checked again at a later start with the same package and code
+(`decode_graph_proof.py`).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from gracelm.lifecycle.processes import ChildProcess, start_process
 from gracelm.memory_budget import available_memory, gib
 from gracelm.model.decode_graph import DecodeGraph, damaged, graph_batches, graph_key, graph_path
 from gracelm.model.decode_graph_check import check
+from gracelm.model.decode_graph_proof import keep_proof, proven
 from gracelm.model.file_hash import content_hash
 from gracelm.model.llama import low_bit_layout
 from gracelm.model.loader import LoadedModel
@@ -124,17 +125,28 @@ class DecodeGraphBuild:
                     loaded[rows] = graph, path
         if not loaded:
             return
-        problems = check(self.loaded.model, [graph for graph, _ in loaded.values()], self.block_size,
-                         serving=tuple(decoder.decode_graphs))
+        problems = self._check(loaded)
         startup_timeline.mark("verify")
-        for (rows, (graph, path)), problem in zip(loaded.items(), problems, strict=True):
-            if problem is not None:
+        for rows, (graph, path) in loaded.items():
+            if rows in problems and problems[rows] is not None:
                 self._fail(f"the graph of {rows.start} to {rows.stop - 1} sequences failed its check: "
-                           f"{problem}")
+                           f"{problems[rows]}")
                 continue
+            if rows in problems:
+                keep_proof(path)
             decoder.decode_graphs.append(graph)
-            logger.info("decode graph loaded from %s: decode steps of %d to %d sequences run compiled",
-                        path, rows.start, rows.stop - 1)
+            logger.info("decode graph loaded from %s: decode steps of %d to %d sequences run compiled%s",
+                        path, rows.start, rows.stop - 1,
+                        "" if rows in problems else " (its check passed at an earlier start)")
+
+    def _check(self, loaded: dict[range, tuple[DecodeGraph, Path]]) -> dict[range, str | None]:
+        """Each graph of `loaded` that no proof covers (`decode_graph_proof.py`), checked: None where it
+        serves, else what differs. The proven ones are loaded beside those serving for the others' check."""
+        unproven = {rows: graph for rows, (graph, path) in loaded.items() if not proven(path)}
+        proven_graphs = [graph for rows, (graph, _) in loaded.items() if rows not in unproven]
+        serving = (*self.loaded.model.model.decode_graphs, *proven_graphs)
+        problems = check(self.loaded.model, list(unproven.values()), self.block_size, serving=serving)
+        return dict(zip(unproven, problems, strict=True))
 
     def _load(self, path: Path, rows: range) -> DecodeGraph | None:
         """The graph at `path`, loaded (checked by the caller: `decode_graph_check.py`); None where it
