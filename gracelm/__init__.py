@@ -1,13 +1,16 @@
 """gracelm: an LLM inference server with a clean lifecycle."""
 
-from gracelm.sampling_params import SamplingParams
-
 __all__ = ["AsyncEngine", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
-    # The engines pull in zmq, tokenizers and the engine's machinery; import them only when asked, so
-    # `import gracelm` (for `SamplingParams`) stays light.
+    # Each name is imported when first asked for: the engines pull in zmq, tokenizers and the engine's
+    # machinery, `SamplingParams` msgspec. `import gracelm`, which every import of a submodule runs first,
+    # stays light, so that the server's command starts its engine core sooner.
+    if name == "SamplingParams":
+        from gracelm.sampling_params import SamplingParams
+
+        return SamplingParams
     if name == "Engine":
         from gracelm.engine.engine import Engine
 

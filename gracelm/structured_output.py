@@ -19,7 +19,6 @@ import json
 from typing import Any
 
 import msgspec
-from llguidance import LLMatcher, grammar_from
 
 # JSON as a compact writer produces it: fixed separators, no free whitespace. A small model let loose on
 # JSON's optional whitespace tends to write newlines until it runs out of tokens.
@@ -57,17 +56,17 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def grammar_text(self) -> str:
         """The constraint as an llguidance grammar; raises `ValueError` for a schema that is not JSON."""
-        if self.json is not None:
-            return _json_grammar(self.json)
-        if self.json_object:
-            return _json_grammar('{"type": "object"}')
+        # Imported here: only the processes that compile grammars (the engine core, the grammar checker)
+        # make one, and the server's own process, which imports this module before it starts its core,
+        # never does.
+        from llguidance import LLMatcher, grammar_from
+
+        if self.json is not None or self.json_object:
+            schema = '{"type": "object"}' if self.json is None else self.json
+            return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
         if self.regex is not None:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
             return grammar_from("choice", self.choice)
         assert self.grammar is not None
         return grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to Lark
-
-
-def _json_grammar(schema: str) -> str:
-    return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)

@@ -137,6 +137,25 @@ def test_a_cache_hit_imports_no_transformers(gguf_file: Path) -> None:
     assert result.stdout.strip() == "False"
 
 
+# What the server's command would wait for before its engine core starts, were they imported then: the HTTP
+# stack and the serving code, the tokenizer and its templates, the grammar library, the version lookup,
+# another command's options.
+LOADED_WITH_THE_CORE = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "jinja2", "tokenizers",
+                        "llguidance", "importlib.metadata", "gracelm.model.tokenizer",
+                        "gracelm.engine.output_processor", "gracelm.serving.serving_options",
+                        "gracelm.deploy.config")
+
+
+def test_the_server_imports_only_what_starts_its_core_before_it_starts() -> None:
+    code = ("import sys, gracelm.cli.main as cli, gracelm.server.api_server; "
+            "cli.build_parser('serve').parse_args(['serve', 'MODEL']); "
+            f"print([name for name in {LOADED_WITH_THE_CORE!r} if name in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env=os.environ)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "other tensors"])
 def test_a_damaged_weights_entry_is_rebuilt_with_a_log_line(gguf_file: Path, damage: str,
                                                            caplog: pytest.LogCaptureFixture) -> None:

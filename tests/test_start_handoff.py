@@ -12,6 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import gracelm.engine.frontend as frontend
+import gracelm.model.tokenizer_cache as tokenizer_cache
 from gracelm import Engine
 from gracelm.cache_dir import cache_dir
 from gracelm.config import EngineConfig
@@ -74,7 +75,7 @@ def _recording(monkeypatch: pytest.MonkeyPatch) -> list[Tokenizer | None]:
         read.append(kept_tokenizer(model_hash))
         return read[-1]
 
-    monkeypatch.setattr(frontend, "kept_tokenizer", recorded)
+    monkeypatch.setattr(tokenizer_cache, "kept_tokenizer", recorded)  # imported by the frontend's read
     return read
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import logging
 import sys
+from collections.abc import Callable
 
 from gracelm import options
 from gracelm.config import EngineConfig
@@ -25,6 +25,7 @@ logger = logging.getLogger("gracelm.cli")
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_arguments(parser.add_argument_group("model and engine"), EngineConfig)
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message, through the model's chat template")
@@ -185,10 +186,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_arguments(parser.add_argument_group("HTTP server"), ServerConfig)
 
 
-def _add_deploy_parsers(commands: argparse._SubParsersAction) -> None:
+def _add_deploy_parsers(deploy: argparse.ArgumentParser) -> None:
     from gracelm.deploy.config import TARGETS
 
-    deploy = commands.add_parser("deploy", help="print a systemd unit or Kubernetes manifests for `serve`")
     targets = deploy.add_subparsers(dest="target", required=True)
     for target, config in TARGETS.items():
         parser = targets.add_parser(target, help=f"print the {target} files for `gracelm serve` with these "
@@ -198,14 +198,11 @@ def _add_deploy_parsers(commands: argparse._SubParsersAction) -> None:
         parser.set_defaults(handler=run_deploy)
 
 
-def _add_fleet_parser(commands: argparse._SubParsersAction) -> None:
+def _add_fleet_arguments(fleet: argparse.ArgumentParser) -> None:
     from gracelm.deploy.config import FleetConfig
 
-    fleet = commands.add_parser("fleet", help="serve with N local workers behind vllm-router (or "
-                                              "sglang-router); SIGHUP restarts them one by one")
     _add_serve_arguments(fleet)
     options.add_arguments(fleet.add_argument_group("fleet"), FleetConfig)
-    fleet.set_defaults(handler=run_fleet)
 
 
 class _SubcommandParser(argparse.ArgumentParser):
@@ -219,30 +216,52 @@ class _SubcommandParser(argparse.ArgumentParser):
         return parsed, extras
 
 
-def build_parser() -> argparse.ArgumentParser:
+_AddArguments = Callable[[argparse.ArgumentParser], None]
+_Handler = Callable[[argparse.Namespace], int]
+# Each command: its help line, what declares its arguments and what runs it.
+_COMMANDS: dict[str, tuple[str, _AddArguments, _Handler]] = {
+    "serve": ("serve the OpenAI-compatible HTTP API", _add_serve_arguments, run_serve),
+    "generate": ("generate from one prompt, streamed to stdout", _add_generate_arguments, run_generate),
+    "run-batch": ("run an OpenAI batch input file offline, resumably", _add_run_batch_arguments, run_batch),
+    "deploy": ("print a systemd unit or Kubernetes manifests for `serve`", _add_deploy_parsers, run_deploy),
+    "fleet": ("serve with N local workers behind vllm-router (or sglang-router); SIGHUP restarts them one by "
+              "one", _add_fleet_arguments, run_fleet),
+    "tokenizer": ("write the model's tokenizer as a Hugging Face tokenizer directory (for guidellm, lm-eval)",
+                  _add_tokenizer_arguments, run_tokenizer),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. Given the `command` the arguments name, only that command's arguments are
+    declared (every command's otherwise): declaring them all would delay each start, the server's included."""
     parser = argparse.ArgumentParser(prog="gracelm", description="An LLM inference server.")
-    parser.add_argument("--version", action="version", version=f"gracelm {_installed_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    _add_serve_arguments(serve)
-    serve.set_defaults(handler=run_serve)
-    generate = commands.add_parser("generate", help="generate from one prompt, streamed to stdout")
-    options.add_arguments(generate.add_argument_group("model and engine"), EngineConfig)
-    _add_generate_arguments(generate)
-    generate.set_defaults(handler=run_generate)
-    batch = commands.add_parser("run-batch", help="run an OpenAI batch input file offline, resumably")
-    _add_run_batch_arguments(batch)
-    batch.set_defaults(handler=run_batch)
-    _add_deploy_parsers(commands)
-    _add_fleet_parser(commands)
-    tokenizer = commands.add_parser("tokenizer", help="write the model's tokenizer as a Hugging Face "
-                                                      "tokenizer directory (for guidellm, lm-eval)")
-    _add_tokenizer_arguments(tokenizer)
-    tokenizer.set_defaults(handler=run_tokenizer)
+    for name, (text, add_arguments, handler) in _COMMANDS.items():
+        subparser = commands.add_parser(name, help=text)
+        if command in (None, name):
+            add_arguments(subparser)
+            subparser.set_defaults(handler=handler)
     return parser
 
 
+class _VersionAction(argparse.Action):
+    """`--version`: the installed version is looked up only when asked, since importlib.metadata's import
+    would delay every command's start."""
+
+    def __init__(self, option_strings: list[str], dest: str) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show program's version number and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"gracelm {_installed_version()}")
+        parser.exit()
+
+
 def _installed_version() -> str:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("gracelm")
     except importlib.metadata.PackageNotFoundError:
@@ -251,7 +270,7 @@ def _installed_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv and argv[0] in _COMMANDS else None).parse_args(argv)
     args.argv = argv  # read by `_trailing_model`
     level = logging.INFO if args.command in ("serve", "fleet") else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -11,16 +11,18 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
 from gracelm.engine.frontend import EMBEDDING_PARAMS, EngineFrontend, FatalHandler, Prompt
-from gracelm.engine.output_processor import RequestOutput
 from gracelm.lifecycle.ledger import Ledger
 from gracelm.lifecycle.process_end import ProcessEnd
 from gracelm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the output processor is imported where the core's Ready is taken (`EngineFrontend`)
+    from gracelm.engine.output_processor import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -61,23 +63,25 @@ class AsyncEngine(EngineFrontend):
 
     def __init__(self, model: str | None = None, *, on_fatal: FatalHandler | None = None,
                  **options: Any) -> None:
-        self._init_async(EngineConfig(model=model, **options), None, on_fatal)
+        self._init_async(EngineConfig(model=model, **options), None, on_fatal, None)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, ledger: Ledger | None = None,
-                    on_fatal: FatalHandler | None = None) -> AsyncEngine:
+                    on_fatal: FatalHandler | None = None,
+                    beside_load: Callable[[], object] | None = None) -> AsyncEngine:
         """`ledger`: record the engine's resources in the caller's (the server's), whose release then
-        stops the engine too."""
+        stops the engine too. `beside_load`: the caller's work while the core loads (`EngineFrontend`)."""
         engine = cls.__new__(cls)
-        engine._init_async(config, ledger, on_fatal)
+        engine._init_async(config, ledger, on_fatal, beside_load)
         return engine
 
-    def _init_async(self, config: EngineConfig, ledger: Ledger | None, on_fatal: FatalHandler | None) -> None:
+    def _init_async(self, config: EngineConfig, ledger: Ledger | None, on_fatal: FatalHandler | None,
+                    beside_load: Callable[[], object] | None) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._ended: asyncio.Event | None = None  # set once the core's end has been handled in the loop
-        super().__init__(config, ledger, on_fatal)
+        super().__init__(config, ledger, on_fatal, beside_load)
 
     # -- the API -------------------------------------------------------------------------------------
 

@@ -12,9 +12,11 @@ Stale runtime directories of dead instances are reclaimed before this one's is m
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 
 import zmq
 
@@ -49,7 +51,8 @@ _SEND_RETRY_MS = 100
 
 
 class EngineCoreClient:
-    """Owns one engine-core process for its whole life; its methods may be called from any one thread."""
+    """Owns one engine-core process for its whole life; its methods may be called from any one thread.
+    Constructing it starts the core; `wait_ready()`, inside `starting()`, waits until the core has loaded."""
 
     def __init__(self, config: EngineConfig, ledger: Ledger) -> None:
         self.config = config
@@ -84,9 +87,18 @@ class EngineCoreClient:
             ledger.acquire(ResourceKind.PROCESS, f"engine core pid {self.process.pid}", self._stop_process,
                            timeout=self._stop_process_bound, force=self.process.process.kill)
             self.monitor.start(self.process)
-            self.ready = self._wait_ready()
         except BaseException:
             ledger.release_all()
+            raise
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Until the core is ready: a failure inside (its own, or the caller's work beside its load) stops it
+        and releases everything before it is raised."""
+        try:
+            yield
+        except BaseException:
+            self.ledger.release_all()
             raise
 
     def _socket(self, kind: int, name: str) -> zmq.Socket:
@@ -95,7 +107,8 @@ class EngineCoreClient:
         sock.bind(self.runtime_dir.ipc_address(name))
         return sock
 
-    def _wait_ready(self) -> msg.Ready:
+    def wait_ready(self) -> msg.Ready:
+        """The core's Ready message, once it has loaded; raises `EngineStartupError` if it failed to."""
         reply = self.monitor.inbox.get()
         if isinstance(reply, msg.StartupFailed):
             logger.debug("engine core start-up traceback:\n%s", reply.traceback)

@@ -21,23 +21,24 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.engine import messages as msg
 from gracelm.engine.core_client import EngineCoreClient
 from gracelm.engine.errors import EngineDeadError
-from gracelm.engine.output_processor import OpenRequest, OutputProcessor
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.process_end import ProcessEnd
 from gracelm.lifecycle.signals import HANDLED_SIGNALS
 from gracelm.model.file_hash import known_hash
 from gracelm.model.model_files import resolve_model_path
 from gracelm.model.pooling import Pooling
-from gracelm.model.tokenizer import Tokenizer
-from gracelm.model.tokenizer_cache import kept_tokenizer
 from gracelm.parallel.layout import check_parallel_config
 from gracelm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imported where the core's Ready is taken: the core starts without waiting for them
+    from gracelm.engine.output_processor import OpenRequest
+    from gracelm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,11 @@ def context_overflow_message(max_model_len: int, num_prompt_tokens: int, num_com
 
 class EngineFrontend:
     def __init__(self, config: EngineConfig, ledger: Ledger | None = None,
-                 on_fatal: FatalHandler | None = None) -> None:
+                 on_fatal: FatalHandler | None = None,
+                 beside_load: Callable[[], object] | None = None) -> None:
+        """Starts the engine core and waits until it is ready; `beside_load`, the caller's own work (a
+        server's imports), runs once the core's process has started, so that it delays neither the core's
+        start nor the caller's use of the engine."""
         self._ledger = ledger if ledger is not None else Ledger()
         self._on_fatal = on_fatal
         self._lock = threading.Lock()
@@ -124,10 +129,14 @@ class EngineFrontend:
         check_parallel_config(config)  # an unsplittable model is refused before any process starts
         if config.task == "embed" and config.tensor_parallel_size > 1:  # found in the files: by the core
             raise ValueError("task embed (--task) is served on one rank: tensor_parallel_size must be 1")
-        tokenizer_read = _kept_tokenizer_soon(config.model)
         self._client = EngineCoreClient(config, self._ledger)
+        with self._client.starting():  # the threads start after the core's process: none delays it
+            tokenizer_read = _kept_tokenizer_soon(config.model)
+            if beside_load is not None:
+                beside_load()
+            ready = self._client.wait_ready()
         try:
-            self._take_ready(config, self._client.ready, tokenizer_read)
+            self._take_ready(config, ready, tokenizer_read)
         except BaseException:
             # Nothing would stop the running core: multiprocessing's exit would wait for it for ever.
             _stop(self._client, config.shutdown_timeout, config.shutdown_report)
@@ -145,6 +154,9 @@ class EngineFrontend:
     def _take_ready(self, config: EngineConfig, ready: msg.Ready,
                     tokenizer_read: Future[tuple[str | None, Tokenizer | None]]) -> None:
         """What the core's Ready message says of the model it loaded."""
+        from gracelm.engine.output_processor import OutputProcessor
+        from gracelm.model.tokenizer import Tokenizer
+
         # Built by the core, which reads the model's files; rebuilt here without transformers or torch,
         # unless read from the cache entry the core's came from while the core started.
         try:
@@ -322,6 +334,8 @@ def _kept_tokenizer_soon(model: str | None) -> Future[tuple[str | None, Tokenize
     def run() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)  # they are the main thread's to take
         try:
+            from gracelm.model.tokenizer_cache import kept_tokenizer
+
             model_hash = known_hash(resolve_model_path(model))
             tokenizer = None if model_hash is None else kept_tokenizer(model_hash)
             if tokenizer is not None:

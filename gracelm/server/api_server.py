@@ -7,9 +7,9 @@ and every resource is recorded in one `Ledger` whose release at the end gives th
 `--shutdown-report` writes it as JSON). Exit codes are `ExitCode`'s: 0 clean stop, 1 fatal failure, 2 usage
 error, 3 start-up failure. This process never loads torch: the engine core does (docs/architecture.md).
 
-Fast start: this module imports no HTTP stack, so the engine core is spawned a second sooner; FastAPI,
-pydantic and uvicorn are imported in a thread while the core loads (`_import_http_stack`), and HTTP is
-served only once the engine is ready, as before.
+Fast start: this module imports only what starts the engine core, so the core is spawned sooner; the HTTP
+stack (FastAPI, pydantic, uvicorn) and the serving code are imported in a thread once the core's process has
+started, while it loads (`_http_stack_import`), and HTTP is served only once the engine is ready.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import signal
 import socket
 import threading
 from multiprocessing import resource_tracker
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import uvloop
 
 import gracelm.startup_timeline as startup_timeline
-from gracelm.batch.journal import Journal
 from gracelm.config import EngineConfig
 from gracelm.engine.async_engine import AsyncEngine
 from gracelm.engine.messages import CoreState
@@ -43,7 +42,9 @@ from gracelm.lifecycle.supervisor import Supervisor
 from gracelm.model.model_files import resolve_model_path
 from gracelm.serving.chat_template_option import read_chat_template
 from gracelm.serving.server_config import ServerConfig
-from gracelm.serving.serving_options import serving_options
+
+if TYPE_CHECKING:  # opened with --state-dir only
+    from gracelm.batch.journal import Journal
 
 logger = logging.getLogger("gracelm.server")
 
@@ -105,13 +106,14 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
                    inline=True)
     host, port = sock.getsockname()[:2]
     ledger.acquire(ResourceKind.SOCKET, f"listener {host}:{port}", sock.close)
-    http_stack = _import_http_stack()
+    http_stack = _http_stack_import()
     journal = None  # held, the state directory is this server's to write into
     try:
         with signals.abandoning_startup(), notifier.loading(config.model or "the default model"):
             _record_resource_tracker(ledger)
             journal = _open_journal(settings.state_dir, ledger)  # before the model: a held DIR fails fast
-            engine = AsyncEngine.from_config(config, ledger=ledger, on_fatal=supervisor.on_engine_fatal)
+            engine = AsyncEngine.from_config(config, ledger=ledger, on_fatal=supervisor.on_engine_fatal,
+                                             beside_load=http_stack.start)
             if settings.chat_template is not None:  # the frontend's tokenizer renders the messages
                 engine.tokenizer.chat_template = read_chat_template(settings.chat_template)
             startup_timeline.mark("frontend")
@@ -125,6 +127,7 @@ async def _serve(config: EngineConfig, settings: ServerConfig, sock: socket.sock
             from gracelm.server.connection_limits import connection_cap, limited_protocol
             from gracelm.server.http_server import HttpServer
             from gracelm.serving.admission_control import max_in_flight
+            from gracelm.serving.serving_options import serving_options
             startup_timeline.mark("http_import")
     except StartupInterrupted as interrupt:
         logger.info("start-up abandoned: %s received while the engine was starting", interrupt.signal.name)
@@ -223,32 +226,40 @@ def _fatal_report(supervisor: Supervisor) -> str | None:
     return None
 
 
-def _import_http_stack() -> threading.Thread:
-    """Imports the app, uvicorn and prometheus_client (about a second) in a thread, to overlap the core's
-    load; the imports in `_serve` then find the modules ready, or wait for this thread's import to end (a
-    failure there is raised again by them). The thread blocks the signals the supervisor handles, so that
-    they reach the main thread as they would without it."""
+def _http_stack_import() -> threading.Thread:
+    """A thread, not started, that imports the app, uvicorn, prometheus_client and the serving code (about a
+    second), to overlap the core's load; the imports in `_serve` then find the modules ready, or wait for
+    this thread's import to end (a failure there is raised again by them). The thread blocks the signals the
+    supervisor handles, so that they reach the main thread as they would without it."""
 
     def run() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
         try:
-            # prometheus_client too: `ServerMetrics` re-reads its multiprocess setting after the import.
+            # prometheus_client too: `ServerMetrics` re-reads its multiprocess setting after the import. The
+            # modules imported at a first use, after Ready otherwise: pydantic.v1, as FastAPI declares the
+            # app's routes; anyio's asyncio backend, as a streamed response (the serving warm-up's) starts.
+            import anyio._backends._asyncio  # noqa: F401
             import prometheus_client  # noqa: F401
+            import pydantic.v1  # noqa: F401
 
+            import gracelm.observability.metrics_files  # noqa: F401
+            import gracelm.server.access_log  # noqa: F401
             import gracelm.server.app  # noqa: F401
+            import gracelm.server.connection_limits  # noqa: F401
             import gracelm.server.http_server  # noqa: F401
+            import gracelm.serving.serving_options  # noqa: F401
         except Exception:  # raised again, and reported, by the same imports in the main thread
             logger.debug("importing the HTTP stack in the background failed", exc_info=True)
 
-    thread = threading.Thread(target=run, name="import-http-stack", daemon=True)
-    thread.start()
-    return thread
+    return threading.Thread(target=run, name="import-http-stack", daemon=True)
 
 
 def _open_journal(state_dir: str | None, ledger: Ledger) -> Journal | None:
     """The batch journal of the state directory (none without one), released after the batch runner."""
     if state_dir is None:
         return None
+    from gracelm.batch.journal import Journal
+
     journal = Journal(state_dir)
     ledger.acquire(ResourceKind.DATABASE, f"batch journal {journal.path}", journal.close)
     return journal

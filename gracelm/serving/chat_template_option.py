@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jinja2
-
 
 def read_chat_template(value: str) -> str:
     """The template's text: the file's when `value` names one, else `value` itself when it reads as Jinja;
     raises `ValueError` naming what is wrong (a missing file, a template that does not compile)."""
+    import jinja2  # only where the option is given: the server's options are read before anything starts
+
     path = Path(value).expanduser()
     if path.is_file():
         try:

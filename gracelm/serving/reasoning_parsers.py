@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
-import jinja2
-
-from gracelm.model.tokenizer import Tokenizer
 from gracelm.thinking_span import ThinkingSpan
+
+if TYPE_CHECKING:  # the server's options name the parsers (`NAMES`) before any tokenizer is wanted
+    from gracelm.model.tokenizer import Tokenizer
 
 QWEN3 = "qwen3"
 DEEPSEEK_R1 = "deepseek_r1"
@@ -171,6 +172,8 @@ def _tag_id(tokenizer: Tokenizer, tag: str, name: str) -> int:
 
 
 def _for_template(tokenizer: Tokenizer) -> str:
+    import jinja2  # here, as the tokenizer: `NAMES` is read before any template is
+
     template = tokenizer.chat_template or ""
     if _DEEPSEEK_ASSISTANT in template:
         return DEEPSEEK_R1

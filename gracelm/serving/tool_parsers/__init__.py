@@ -9,7 +9,6 @@ the call syntax the template itself writes or teaches names the family.
 
 from __future__ import annotations
 
-from gracelm.model.tokenizer import template_variables
 from gracelm.serving.tool_parsers.base import ArgumentsPart, Call, Content, Event, ToolParser, merged
 from gracelm.serving.tool_parsers.call_list import CallListParser, MistralParser
 from gracelm.serving.tool_parsers.llama3_json import PYTHON_TAG, Llama3JsonParser
@@ -27,6 +26,9 @@ __all__ = ["PARSERS", "NAMES", "AUTO", "ArgumentsPart", "Call", "CallListParser"
 
 def resolve(name: str, chat_template: str | None) -> str:
     """The parser `--tool-call-parser NAME` stands for with this chat template."""
+    # Imported here: the server's options name the parsers (`NAMES`) before any template is read.
+    from gracelm.model.tokenizer import template_variables
+
     if name != AUTO:
         return name
     renders_tools = bool(chat_template) and "tools" in template_variables(chat_template or "")
