@@ -113,7 +113,7 @@ def test_a_served_engine_is_ready_with_nothing_counted_and_the_phase_timed() -> 
     total = re.search(r"^gracelm_kv_cache_blocks_total\{[^}]*\} (\S+)$", metrics, re.M)
     assert free and total and free.group(1) == total.group(1)
     assert float(re.findall(r'gracelm_startup_phase_seconds\{[^}]*phase="warmup"\} (\S+)', metrics)[0]) > 0
-    assert re.search(r"warm-up: 5 steps in \d+ ms", log), log[-3000:]
+    assert re.search(rf"warm-up: {1 + 2 * DECODE_STEPS} steps in \d+ ms", log), log[-3000:]
 
 
 @pytest.mark.parametrize("template", [None, "{{ raise_exception('no chat here') }}"])

@@ -39,8 +39,10 @@ from gracelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Decode steps of every sequence, then as many of the first alone.
-DECODE_STEPS = 2
+# Decode steps of every sequence, then as many of the first alone. One of each: a kind's first run pays what
+# it pays once, and a second left a start's first request no faster (bench/RESULTS.md, "Serving against
+# llama.cpp's llama-server").
+DECODE_STEPS = 1
 
 
 @dataclass(frozen=True)
