@@ -379,6 +379,8 @@ def test_a_server_compiles_in_the_background_then_serves_compiled_and_the_next_s
     args = ("--served-model-name", "tiny", "--num-threads", "1", "--kv-cache-memory", "8MiB")
     with ServerProcess(gguf, *args, env=env) as server:
         assert compiler_pids(server), server.log()  # started at once, the server already ready
+        log = server.log()
+        assert log.index("warm-up: ") < log.index("compiling in the background"), log  # not beside its steps
         before = [greedy(server, p) for p in ("the cat", "a river of light")]  # eager meanwhile
         wait_for_log(server, "decode graph written to", 2, COMPILE_TIMEOUT_S)
         psutil.wait_procs([psutil.Process(pid) for pid in compiler_pids(server)], timeout=30)

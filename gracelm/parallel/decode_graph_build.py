@@ -64,17 +64,24 @@ class DecodeGraphBuild:
         self.loaded = loaded
         self.weight_bytes = weight_bytes
         self.block_size = config.block_size
+        self._config = config
+        self._ledger = ledger
         self._pending = graph_files(config, loaded)
         self.failures: list[str] = []  # why a graph does not serve
         self._load_written()
         self._child: ChildProcess | None = None
-        if not self._pending or not self._compiler_fits():
+
+    def compile_missing(self) -> None:
+        """Starts the compiler of the graphs still missing, where it fits: once the warm-up has run, whose
+        steps the start of a child importing torch beside them would slow, though it runs at idle priority."""
+        if self._child is not None or not self._pending or not self._compiler_fits():
             return
-        self._child = start_process("decode graph compiler", "gracelm::compile", COMPILER_ENTRY, (config,))
+        self._child = start_process("decode graph compiler", "gracelm::compile", COMPILER_ENTRY,
+                                    (self._config,))
         logger.info("decode graph: compiling in the background (pid %d): %d graph(s); eager until each is "
                     "ready", self._child.pid, len(self._pending))
-        ledger.acquire(ResourceKind.PROCESS, f"decode graph compiler (pid {self._child.pid})", self._stop,
-                       timeout=_STOP_TIMEOUT_S + 1)
+        self._ledger.acquire(ResourceKind.PROCESS, f"decode graph compiler (pid {self._child.pid})",
+                             self._stop, timeout=_STOP_TIMEOUT_S + 1)
 
     def _compiler_fits(self) -> bool:
         """Whether the compiler, which loads a model of its own, fits in the memory left now; where it
@@ -92,9 +99,8 @@ class DecodeGraphBuild:
     def poll(self) -> None:
         """Loads each graph once the child has written it (called between steps: a stat per missing graph,
         a non-blocking wait)."""
-        if not self._pending:
+        if not self._pending or self._child is None:  # nothing missing, or no compiler (yet)
             return
-        assert self._child is not None
         code = self._child.exitcode
         self._load_written()
         if self._pending and code is not None:

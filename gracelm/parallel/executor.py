@@ -113,6 +113,9 @@ class Executor:
         else:
             self._build_graphs()
         self._warm_up(num_blocks)
+        for build in (self.graph_build, self.draft_graph_build):
+            if build is not None:
+                build.compile_missing()
         self._driver.commit_kv_cache()
 
     def _build_graphs(self) -> None:
