@@ -79,7 +79,7 @@ def _write(tokenizer: Tokenizer, chat_template: str | None, out: Path) -> None:
     if chat_template:
         config["chat_template"] = chat_template
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "tokenizer.json", tokenizer.backend.to_str().encode())
+    write_atomic(out / "tokenizer.json", tokenizer.backend_json().encode())
     text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
     write_atomic(out / "tokenizer_config.json", text.encode())
 

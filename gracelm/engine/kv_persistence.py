@@ -82,7 +82,7 @@ class KVPersistence:
         # What every rank's fingerprint shares; each adds its own rank and KV layout.
         self.fingerprint_inputs = {
             "weights_hash": content_hash(resolve_model_path(config.model)),
-            "tokenizer_hash": hashlib.sha256(tokenizer.to_dict()["backend"].encode()).hexdigest(),
+            "tokenizer_hash": hashlib.sha256(tokenizer.backend_json().encode()).hexdigest(),
             "hash_scheme": BLOCK_HASH_ROOT.decode(), "tensor_parallel_size": config.tensor_parallel_size}
         self.fingerprint = snap.fingerprint(**self.fingerprint_inputs, kv_layout=layout, rank=0)
         self._block_delay = faults().kv_block_delay()

@@ -79,7 +79,7 @@ class GrammarCompiler:
     def _llguidance_tokenizer(self) -> LLTokenizer:
         if self._lltokenizer is None:
             start = time.perf_counter()
-            self._lltokenizer = LLTokenizer(self._tokenizer.to_dict()["backend"], n_vocab=self._vocab_size,
+            self._lltokenizer = LLTokenizer(self._tokenizer.backend_json(), n_vocab=self._vocab_size,
                                             eos_token=list(self._tokenizer.eos_token_ids))
             logger.info("structured outputs: tokenizer prepared in %.0f ms",
                         1000 * (time.perf_counter() - start))

@@ -67,8 +67,13 @@ class Tokenizer:
         core does not hold it (for a 128k-token vocabulary, tens of MB, and a good part of a warm start)."""
         if self._backend is None:
             assert self._serialized is not None  # `from_dict`'s
-            self._backend = Backend.from_str(self._serialized["backend"])
+            self._backend = Backend.from_str(self.backend_json())
         return self._backend
+
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer's own serialized form (its tokenizer.json, what llguidance takes), from
+        `to_dict`'s, made once: neither built nor serialized again for it."""
+        return self.to_dict()["backend"]
 
     # -- building -------------------------------------------------------------------------------------
 

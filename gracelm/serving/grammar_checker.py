@@ -49,8 +49,7 @@ class GrammarChecker:
     def for_engine(cls, engine: AsyncEngine, ledger: Ledger) -> GrammarChecker:
         """The checker of the engine's model: its tokenizer, as the engine core hands it to llguidance."""
         tokenizer = engine.tokenizer
-        # Its serialized form, kept since the frontend rebuilt it: serializing it again takes tens of ms.
-        return cls(tokenizer.to_dict()["backend"], engine.model_config.vocab_size,
+        return cls(tokenizer.backend_json(), engine.model_config.vocab_size,
                    list(tokenizer.eos_token_ids), ledger)
 
     async def check(self, constraint: StructuredOutputs, field: str, allowed_token_ids: list[int] | None
