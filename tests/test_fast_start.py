@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 import gracelm.startup_timeline as startup_timeline
 from gracelm.config import ModelConfig
-from gracelm.model import file_hash, gguf_loader, weight_cache
+from gracelm.model import entry_keeper, file_hash, gguf_loader, weight_cache
 from gracelm.model.attention import allocate_kv_cache
 from gracelm.model.block_linear import BlockLinear
 from gracelm.model.file_hash import content_hash
@@ -232,17 +232,17 @@ def test_the_weights_cache_keeps_the_most_recently_used_entries(tmp_path: Path,
 @pytest.mark.parametrize("refusal", ["no room for the file", "no temporary file"])
 def test_an_unwritable_cache_serves_anyway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str,
                                            caplog: pytest.LogCaptureFixture) -> None:
-    """A full disk (the file's room refused before anything is written through its mapping) or a read-only
-    one: the weights are converted into memory and served, with a warning, and no file is left."""
+    """A full disk (the entry's writes refused) or a read-only one: the weights are converted into memory and
+    served, with a warning, and no file is left, the entry's lock file included."""
     monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
 
     def refuse(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
     if refusal == "no room for the file":
-        monkeypatch.setattr(os, "posix_fallocate", refuse)
+        monkeypatch.setattr(os, "pwrite", refuse)
     else:
-        monkeypatch.setattr(weight_cache, "write_atomic", refuse)
+        monkeypatch.setattr(entry_keeper, "write_atomic", refuse)
     expected = {"w": ((2,), torch.float32)}
     weights = cached_tensors("ab" * 32, torch.float32, expected, lambda tensors: tensors["w"].fill_(1.0))
     assert torch.equal(weights["w"], torch.ones(2))
@@ -293,19 +293,17 @@ def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 @pytest.mark.skipif(not LOADED, reason="gracelm._kernels is not built")
-def test_an_entry_is_written_in_place_as_safetensors_reads_it(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cold start's entry, its tensors written into the file's own mapping: safetensors' `load_file` reads
-    exactly what the same conversion writes into memory, each tensor aligned to its element's size; the
-    tensors served are the file's pages copy-on-write, not a writable view of it, and no writable mapping
-    of the file is left."""
+def test_an_entry_is_written_from_the_tensors_served_as_safetensors_reads_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold start's entry, written from the tensors it serves: safetensors' `load_file` reads exactly what
+    the same conversion writes into memory, each tensor aligned to its element's size; the tensors served
+    are memory of their own, not a view of the file, and no mapping of the file is left."""
     monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
     stack_form = BlockLinear.stored_form_of((sum(_STACK_ROWS), 96), Q.Q4_1)
     expected = {**_KINDS, "stack.packed": stack_form["packed"]}
     served = cached_tensors("cd" * 32, "mixed", expected, _fill_every_kind)
     entry = weights_entry("cd" * 32, "mixed")
-    mapped = _mappings_of(entry.parent)
-    assert [line.split()[1][-1] for line in mapped] == ["p"] * len(mapped) and entry.name in "".join(mapped)
+    assert _mappings_of(entry.parent) == []
     in_memory = _garbage(expected)
     _fill_every_kind(in_memory)
     stack = torch.cat([BlockLinear.from_file(_blocks_of(rows, rows), Q.Q4_1).packed for rows in _STACK_ROWS])
@@ -317,6 +315,7 @@ def test_an_entry_is_written_in_place_as_safetensors_reads_it(tmp_path: Path,
     data = entry.read_bytes()
     served["f32"].fill_(99.0)
     assert entry.read_bytes() == data
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]  # no lock or temporary file
 
 
 def _mappings_of(folder: Path) -> list[str]:
@@ -349,11 +348,11 @@ def test_a_converter_that_raises_leaves_no_file(tmp_path: Path, monkeypatch: pyt
 
 @pytest.mark.skipif(not LOADED, reason="gracelm._kernels is not built")
 @pytest.mark.parametrize("kind", ["bfloat16", "blocks", "int4"])
-def test_a_gguf_models_entry_written_in_place_is_its_conversion_into_memory(
+def test_a_gguf_models_entry_is_its_conversion_into_memory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """A GGUF model's entries (dense, the blocks with q/k/v and gate/up stacked, torch's int4 form) written
     on a cold start read back with `load_file` as the conversion into memory of garbage gives them, and the
-    file is unmapped once converted."""
+    model's file is unmapped once converted."""
     monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "m.gguf", gguf_layout(hf_model("llama", seed=21), "llama"), Q.Q4_1)
     calls = []

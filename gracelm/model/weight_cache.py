@@ -12,10 +12,10 @@ expected (names, shapes, dtypes) is logged, deleted and converted again; a start
 safetensors holds no checksum of the data, and reading the whole file to check one would cost what the cache
 saves: a bit flipped inside a tensor is not detected, as with any safetensors checkpoint.
 
-A cold start converts straight into the new entry's file: its layout is known from the expected tensors, so
-the converter (`Fill`) writes into views of the file mapped shared, and nothing is copied to write the file
-(`_write_entry`); the entry is then mapped again as a warm start maps it. Where the cache cannot be written
-(a read-only or full disk) the weights are converted into memory and served all the same.
+A cold start converts into memory and serves the weights from there, while a thread writes the entry from
+them (`entry_keeper.py`: a process that misses an entry another is writing waits for it). Where the cache
+cannot be written (a read-only or full disk) the weights are served all the same, and converted again at
+the next start.
 
 Entries are written atomically (`write_atomic`) and never modified once written, so a mapped file stays valid
 even if another process replaces or prunes it. The folder keeps the `MAX_ENTRIES` most recently used
@@ -30,19 +30,18 @@ import functools
 import json
 import logging
 import math
-import mmap
 import os
 import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from gracelm.cache_dir import cache_dir, mtime, write_atomic
+from gracelm.cache_dir import cache_dir, mtime
+from gracelm.model.entry_keeper import Claim, keep
 from gracelm.startup_timeline import mark
 
 logger = logging.getLogger(__name__)
@@ -72,35 +71,35 @@ _DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16"
 def cached_tensors(model_hash: str, kind: torch.dtype | str, expected: Expected, fill: Fill
                    ) -> dict[str, torch.Tensor]:
     """The entry `kind` of the model whose content hash is `model_hash`, its tensors as `expected`: mapped
-    from the cache, else converted by `fill` straight into the new entry's file (then mapped from it)."""
+    from the cache, else converted by `fill` into memory, served from there and kept (`entry_keeper.py`). A
+    process that finds another keeping the entry waits for it, then maps it."""
     path = entry_path(model_hash, kind)
     weights = _read(path, expected)
-    if weights is not None:
-        with contextlib.suppress(OSError):  # a read-only cache still serves its entries
-            os.utime(path)  # most recently used: the last to be pruned
-        mark("read")
-        return weights
-    converting = False
+    if weights is None:
+        claim = Claim.wait(path)
+        weights = _read(path, expected)  # kept meanwhile by the claim's last holder
+        if weights is None:
+            return _converted(path, expected, fill, claim)
+        if claim is not None:
+            claim.release()
+    with contextlib.suppress(OSError):  # a read-only cache still serves its entries
+        os.utime(path)  # most recently used: the last to be pruned
+    mark("read")
+    return weights
 
-    def fill_entry(tensors: dict[str, torch.Tensor]) -> None:
-        nonlocal converting
-        converting = True
-        fill(tensors)
-        converting = False
 
+def _converted(path: Path, expected: Expected, fill: Fill, claim: Claim | None) -> dict[str, torch.Tensor]:
+    """The tensors converted into memory, and kept as the entry `path` where `claim` gives this process the
+    right to (None: another process is keeping it)."""
     try:
-        write_atomic(path, functools.partial(_write_entry, expected, fill_entry))
-    except OSError as e:
-        if converting:  # the conversion's own failure (its source unreadable), not the cache's
-            raise
-        logger.warning("cannot keep the converted weights in %s: %s", path, e)
-        weights = _filled(expected, fill)  # a read-only or full disk: serve anyway, convert again next time
-    else:
-        _prune(path.parent)
-        # Served from the entry's pages, as a warm start is, copy-on-write: nothing the model does writes to
-        # the file, and a cold start holds no more memory than a warm one.
-        weights = _read(path, expected) or _filled(expected, fill)
+        weights = _filled(expected, fill)
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
     mark("repack")
+    if claim is not None:
+        keep(path, safetensors_header(expected), weights, claim, functools.partial(_prune, path.parent))
     return weights
 
 
@@ -121,30 +120,6 @@ def safetensors_header(expected: Expected) -> tuple[bytes, dict[str, int]]:
     text += b" " * (-len(text) % 8)
     header = struct.pack("<Q", len(text)) + text
     return header, {name: len(header) + begin for name, begin in begins.items()}
-
-
-def _write_entry(expected: Expected, fill: Fill, temporary: Path) -> None:
-    """Writes the entry into the file `temporary` (`write_atomic`'s): its header, then the tensors, which
-    `fill` writes into views of the file mapped shared, so they are converted in place, with no copy."""
-    header, starts = safetensors_header(expected)
-    size = len(header) + sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected.values())
-    with open(temporary, "r+b") as file:
-        # Reserved before any write: a full disk fails here, not as SIGBUS at a write through the mapping.
-        os.posix_fallocate(file.fileno(), 0, size)
-        mapping = mmap.mmap(file.fileno(), size)
-    mapping[:len(header)] = header
-    fill({name: _view(mapping, starts[name], *expected[name]) for name in expected})
-    mapping.flush()  # msync: what POSIX asks before `write_atomic`'s fsync covers writes through a mapping
-    # No view is left (`fill` keeps none: closing a mapping under one raises BufferError); after an error,
-    # the mapping goes with the last view instead.
-    mapping.close()
-
-
-def _view(buffer: mmap.mmap, start: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The tensor of `shape` and `dtype` at `start` of `buffer`, holding it (through numpy's view: torch's own
-    would let the buffer close under it)."""
-    data = np.frombuffer(buffer, np.uint8, count=math.prod(shape) * dtype.itemsize, offset=start)
-    return torch.from_numpy(data).view(dtype).view(shape)
 
 
 def _filled(expected: Expected, fill: Fill) -> dict[str, torch.Tensor]:

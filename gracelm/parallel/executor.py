@@ -26,6 +26,7 @@ from collections.abc import Callable
 import gracelm.startup_timeline as startup_timeline
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.lifecycle.ledger import Ledger, Outcome, ResourceKind, ResourceReport, ShutdownReport
+from gracelm.model.entry_keeper import start_keeping
 from gracelm.model.loader import LoadedModel
 from gracelm.model_step import ModelStep, StepResult
 from gracelm.parallel import messages as m
@@ -113,6 +114,7 @@ class Executor:
         else:
             self._build_graphs()
         self._warm_up(num_blocks)
+        start_keeping()  # before the compiler, which waits for the entries rather than converting again
         for build in (self.graph_build, self.draft_graph_build):
             if build is not None:
                 build.compile_missing()

@@ -42,6 +42,7 @@ from gracelm.model import decode_attention
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
 from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.device import resolve_device
+from gracelm.model.entry_keeper import deferred_keeping, stop_keeping
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.kv_cache_commit import KVCacheCommit
 from gracelm.model.llama import describe_linear_kernels, linear_path
@@ -107,8 +108,10 @@ class Worker:
         share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
         torch.set_num_threads(self.config.num_threads or share)
         keep_freed_memory()
-        self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization, self.device,
-                                 dense_weights_for(self.config), embedding=self.config.task == "embed")
+        with deferred_keeping():  # the cache entries it converts are written after the warm-up
+            self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization,
+                                     self.device, dense_weights_for(self.config),
+                                     embedding=self.config.task == "embed")
         # Freezing fuses and repacks the HF-named linears, so it comes last: after sharding, which splits them
         # (the tensor-parallel shard freezes itself once split).
         if self.world_size > 1:
@@ -404,6 +407,7 @@ class Worker:
             self.draft.kv_caches = []
 
     def free_model(self) -> None:
+        stop_keeping()  # a cold start's cache entries still being written (`entry_keeper.py`)
         self.shard = None
         self.loaded = None
         self.draft = None

@@ -29,6 +29,7 @@ from gracelm.lifecycle.faults import faults
 from gracelm.lifecycle.ledger import Ledger, ResourceKind
 from gracelm.lifecycle.processes import exit_process
 from gracelm.lifecycle.startup_objects import freeze_startup_objects
+from gracelm.model.entry_keeper import start_keeping
 from gracelm.parallel import messages as m
 from gracelm.parallel.distributed import (
     BACKEND,
@@ -132,6 +133,7 @@ class WorkerProcess:
                 self.worker.commit_kv_cache()
             elif isinstance(message, m.WarmUp):
                 run_warmup_batches(self.worker, message.batches)
+                start_keeping()
             elif isinstance(message, m.SaveKVBlocks):
                 self._send(save_shard(self.worker, message))
             elif isinstance(message, m.RestoreKVBlocks):

@@ -1,0 +1,170 @@
+"""Cache entries of converted weights written from the tensors served (`gracelm/model/entry_keeper.py`): a
+server's load keeps them after its warm-up, a stop leaves nothing half written, and a process that misses
+an entry another is keeping waits for it (a server's load does not)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gracelm.model import entry_keeper
+from gracelm.model.entry_keeper import deferred_keeping, start_keeping, stop_keeping, wait_kept
+from gracelm.model.weight_cache import cached_tensors, entry_path
+
+EXPECTED = {"w": ((256, 64), torch.float32), "b": ((64,), torch.bfloat16)}
+HASH = "4b" * 32
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRACELM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _fill(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["w"].copy_(torch.arange(256 * 64, dtype=torch.float32).view(256, 64))
+    tensors["b"].fill_(0.5)
+
+
+def _refuse(tensors: dict[str, torch.Tensor]) -> None:
+    pytest.fail("converted where the entry was there to map")
+
+
+def _folder() -> Path:
+    return entry_path(HASH, "test").parent
+
+
+def _names() -> list[str]:
+    folder = _folder()
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def test_a_servers_load_keeps_its_entry_once_told_to() -> None:
+    """Within `deferred_keeping` the load returns the converted tensors with nothing written but the claim's
+    lock file; `start_keeping` writes the entry, which a later load maps instead of converting."""
+    entry = entry_path(HASH, "test")
+    with deferred_keeping():
+        served = cached_tensors(HASH, "test", EXPECTED, _fill)
+    assert _names() == [f".{entry.name}.lock"]
+    start_keeping()
+    wait_kept()
+    assert _names() == [entry.name]
+    mapped = cached_tensors(HASH, "test", EXPECTED, _refuse)
+    assert all(torch.equal(mapped[name], served[name]) for name in EXPECTED)
+
+
+def test_a_stop_before_the_write_leaves_nothing() -> None:
+    with deferred_keeping():
+        cached_tensors(HASH, "test", EXPECTED, _fill)
+    stop_keeping()
+    assert _names() == []
+    wait_kept()  # nothing left to write
+    assert _names() == []
+
+
+def test_a_stop_during_the_write_removes_what_it_wrote(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The write is stopped between two chunks: its temporary file and lock file are removed."""
+    monkeypatch.setattr(entry_keeper, "_CHUNK", 1024)
+    writing, stopped = threading.Event(), threading.Event()
+    pwrite = os.pwrite
+
+    def slow_pwrite(fd: int, data: bytes, offset: int) -> int:
+        if offset > 0:  # a tensor's chunk, after the header
+            writing.set()
+            stopped.wait(10)
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    with deferred_keeping():
+        cached_tensors(HASH, "test", EXPECTED, _fill)
+    start_keeping()
+    assert writing.wait(10)
+    assert any(name.startswith(f".{entry_path(HASH, 'test').name}.") for name in _names())  # being written
+    threading.Timer(0.2, stopped.set).start()
+    with caplog.at_level("INFO", logger="gracelm.model.entry_keeper"):
+        stop_keeping()
+    assert _names() == []
+    assert "not kept, the process stops" in caplog.text
+
+
+_HOLDER = """
+import sys, torch
+from safetensors.torch import save_file
+from gracelm.cache_dir import write_atomic
+from gracelm.model.entry_keeper import Claim
+from gracelm.model.weight_cache import entry_path
+entry = entry_path(sys.argv[1], "test")
+entry.parent.mkdir(parents=True, exist_ok=True)
+claim = Claim.wait(entry)
+print("held", flush=True)
+if sys.stdin.readline().strip() == "write":
+    tensors = {"w": torch.full((256, 64), 7.0), "b": torch.full((64,), 0.25, dtype=torch.bfloat16)}
+    write_atomic(entry, lambda path: save_file(tensors, path))
+claim.release()
+"""
+
+
+def _holder() -> subprocess.Popen[str]:
+    """Another process holding the entry's claim until it is told to write it (or not)."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, HASH], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=os.environ)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_load_waits_for_the_entry_another_process_keeps() -> None:
+    holder = _holder()
+    loads: list[dict[str, torch.Tensor]] = []
+    try:
+        waiting = threading.Thread(target=lambda: loads.append(cached_tensors(HASH, "test", EXPECTED,
+                                                                              _refuse)))
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive() and not loads  # waiting for the claim
+        assert holder.stdin is not None
+        holder.stdin.write("write\n")
+        holder.stdin.flush()
+        waiting.join(30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait()
+    [mapped] = loads
+    assert torch.equal(mapped["w"], torch.full((256, 64), 7.0))
+    assert _names() == [entry_path(HASH, "test").name]
+
+
+def test_a_servers_load_converts_at_once_beside_another_process_keeping_it() -> None:
+    """A server's tensor-parallel ranks load the same entries: one that waited for another's write, which
+    comes after a warm-up they all take part in, would wait for good. It converts, and leaves the keeping to
+    the holder."""
+    holder = _holder()
+    try:
+        with deferred_keeping():
+            served = cached_tensors(HASH, "test", EXPECTED, _fill)
+        assert torch.equal(served["b"], torch.full((64,), 0.5, dtype=torch.bfloat16))
+        start_keeping()
+        wait_kept()
+        assert _names() == [f".{entry_path(HASH, 'test').name}.lock"]  # the holder's, nothing of this process
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.write("no\n")
+        holder.stdin.flush()
+        holder.wait(30)
+    assert _names() == []
+
+
+def test_a_load_of_an_entry_this_process_defers_writes_it_first() -> None:
+    """Waiting for its own deferred write's claim would wait for good: the write is done first."""
+    with deferred_keeping():
+        served = cached_tensors(HASH, "test", EXPECTED, _fill)
+    mapped = cached_tensors(HASH, "test", EXPECTED, _refuse)
+    assert all(torch.equal(mapped[name], served[name]) for name in EXPECTED)
+    assert _names() == [entry_path(HASH, "test").name]
