@@ -1,6 +1,7 @@
 """What the frontend does while the engine core starts (docs/architecture.md, "Start-up"): it reads the
-model's tokenizer from the cache, where the core's came from, instead of rebuilding the core's after Ready;
-it reads no model file to find the task, which the core finds and sends in Ready. `known_hash` gives a kept
+model's tokenizer from the cache, where the core's came from, or builds a GGUF file's from its metadata as
+the core does, instead of rebuilding the core's after Ready, and takes it only where it is the core's; it
+reads no model file to find the task, which the core finds and sends in Ready. `known_hash` gives a kept
 hash without hashing; `kept_tokenizer` reads an entry without repairing it, which is the core's part. The
 core's own tokenizer, read from the cache, stays its serialized form until a request needs text encoded."""
 
@@ -84,12 +85,27 @@ def _greedy(engine: Engine) -> list[int]:
     return output.outputs[0].token_ids
 
 
+def _rebuilt(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The serialized tokenizers the frontend rebuilt (the core's, after Ready, or a kept one), each time."""
+    rebuilt: list[dict] = []
+    from_dict = Tokenizer.from_dict.__func__  # type: ignore[attr-defined]
+
+    def recorded(cls: type[Tokenizer], data: dict) -> Tokenizer:
+        rebuilt.append(data)
+        return from_dict(cls, data)
+
+    monkeypatch.setattr(Tokenizer, "from_dict", classmethod(recorded))
+    return rebuilt
+
+
 def test_a_started_model_takes_its_tokenizer_from_the_cache_while_the_core_starts(
         gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     read = _recording(monkeypatch)
-    with Engine(str(gguf_file), **ENGINE) as cold:  # the file unknown: nothing read, the core's rebuilt
+    rebuilt = _rebuilt(monkeypatch)
+    with Engine(str(gguf_file), **ENGINE) as cold:  # the file unknown: its tokenizer built from it
         cold_tokenizer, cold_tokens = cold.tokenizer.to_dict(), _greedy(cold)
-    assert read == []
+    assert read == [] and rebuilt == []  # neither read from the cache nor the core's rebuilt
+    assert cold_tokenizer == open_gguf(gguf_file).tokenizer().to_dict()
     with Engine(str(gguf_file), **ENGINE) as warm:
         assert len(read) == 1 and read[0] is not None and warm.tokenizer is read[0]
         assert warm.tokenizer.to_dict() == cold_tokenizer and _greedy(warm) == cold_tokens
@@ -106,18 +122,35 @@ def test_a_kept_tokenizer_of_another_model_is_not_taken(gguf_file: Path, tmp_pat
         assert engine.tokenizer.to_dict() == open_gguf(gguf_file).tokenizer().to_dict()
 
 
-def test_the_task_comes_from_the_core_and_the_frontend_reads_no_model_file(
+def test_a_tokenizer_built_here_that_is_not_the_cores_is_not_taken(gguf_file: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file read by the frontend is not the one the core read (replaced in between): the core's
+    tokenizer is rebuilt from its Ready."""
+    other = write_gguf(tmp_path / "other.gguf", gguf_layout(hf_model("llama", seed=12), "llama"), Q.Q8_0)
+    other_tokenizer = open_gguf(other).tokenizer()
+    assert other_tokenizer.to_dict() != open_gguf(gguf_file).tokenizer().to_dict()
+    monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(lambda cls, path: other_tokenizer))
+    rebuilt = _rebuilt(monkeypatch)
+    with Engine(str(gguf_file), **ENGINE) as engine:
+        assert engine.tokenizer is not other_tokenizer and len(rebuilt) == 1
+        assert engine.tokenizer.to_dict() == open_gguf(gguf_file).tokenizer().to_dict()
+
+
+def test_the_task_comes_from_the_core_and_a_header_the_frontend_cannot_read_costs_nothing(
         gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The frontend's start reads the model's metadata nowhere: an unreadable GGUF header here would fail
-    the frontend, not the core, which reads the same file in its own process."""
+    """The frontend reads a GGUF header only for the tokenizer, in a thread beside the core's start: an
+    unreadable header there fails nothing; the core, which reads the same file in its own process, finds the
+    task and sends its tokenizer."""
     import gracelm.model.gguf_reader as gguf_reader
 
     def refused(*args, **kwargs):
-        raise AssertionError("the frontend read a GGUF header")
+        raise OSError("the frontend cannot read this GGUF header")
 
     monkeypatch.setattr(gguf_reader, "read_gguf", refused)
+    rebuilt = _rebuilt(monkeypatch)
     with Engine(str(gguf_file), **ENGINE) as engine:
         assert engine.pooling is None and engine.config.task == "generate"
+        assert len(rebuilt) == 1  # the core's, from Ready
         assert len(_greedy(engine)) == 4
 
 

@@ -131,7 +131,7 @@ class EngineFrontend:
             raise ValueError("task embed (--task) is served on one rank: tensor_parallel_size must be 1")
         self._client = EngineCoreClient(config, self._ledger)
         with self._client.starting():  # the threads start after the core's process: none delays it
-            tokenizer_read = _kept_tokenizer_soon(config.model)
+            tokenizer_read = _tokenizer_soon(config.model)
             if beside_load is not None:
                 beside_load()
             ready = self._client.wait_ready()
@@ -151,19 +151,20 @@ class EngineFrontend:
         self._finalizer.atexit = False
         atexit.register(self._finalizer)
 
-    def _take_ready(self, config: EngineConfig, ready: msg.Ready,
-                    tokenizer_read: Future[tuple[str | None, Tokenizer | None]]) -> None:
+    def _take_ready(self, config: EngineConfig, ready: msg.Ready, tokenizer_read: Future[Tokenizer | None]
+                    ) -> None:
         """What the core's Ready message says of the model it loaded."""
         from gracelm.engine.output_processor import OutputProcessor
         from gracelm.model.tokenizer import Tokenizer
 
-        # Built by the core, which reads the model's files; rebuilt here without transformers or torch,
-        # unless read from the cache entry the core's came from while the core started.
+        # Built by the core, which reads the model's files; the one got here while the core started serves
+        # where it is the same tokenizer (a file changed meanwhile gives another), else the core's is rebuilt
+        # here, without transformers or torch.
         try:
-            model_hash, tokenizer = tokenizer_read.result()
+            tokenizer = tokenizer_read.result()
         except Exception:  # noqa: BLE001 - what the core reported of the model is what counts
-            model_hash, tokenizer = None, None
-        if tokenizer is None or model_hash != ready.model_hash:
+            tokenizer = None
+        if tokenizer is None or tokenizer.to_dict() != ready.tokenizer:
             tokenizer = Tokenizer.from_dict(ready.tokenizer)
         self.tokenizer = tokenizer
         # The core found the task in the model's files (`--task auto`).
@@ -325,26 +326,32 @@ class EngineFrontend:
         self.shutdown()
 
 
-def _kept_tokenizer_soon(model: str | None) -> Future[tuple[str | None, Tokenizer | None]]:
-    """The model's content hash and its tokenizer from the cache, where both are kept, read in a thread
-    beside the core's start (whose first second is its own imports, on another CPU); (None, None) where
-    either is not kept yet, and nothing is read or hashed then."""
-    future: Future[tuple[str | None, Tokenizer | None]] = Future()
+def _tokenizer_soon(model: str | None) -> Future[Tokenizer | None]:
+    """The model's tokenizer, got in a thread beside the core's start (whose first second is its own imports,
+    on another CPU): from the cache where the model's hash and its tokenizer are kept; else, for a GGUF file,
+    built from the file's metadata as the core builds it. None for a model directory the cache has not seen
+    (its tokenizer is built through transformers: seconds, and the core sends it anyway)."""
+    future: Future[Tokenizer | None] = Future()
 
     def run() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)  # they are the main thread's to take
         try:
+            from gracelm.model.tokenizer import Tokenizer
             from gracelm.model.tokenizer_cache import kept_tokenizer
 
-            model_hash = known_hash(resolve_model_path(model))
+            path = resolve_model_path(model)
+            model_hash = known_hash(path)
             tokenizer = None if model_hash is None else kept_tokenizer(model_hash)
+            if tokenizer is None and path.is_file():
+                tokenizer = Tokenizer.from_gguf(path)
             if tokenizer is not None:
+                tokenizer.to_dict()  # serialized here, for `_take_ready`'s comparison with the core's
                 tokenizer.backend  # noqa: B018 - built here, beside the core's start, not after Ready
-            future.set_result((model_hash, tokenizer))
+            future.set_result(tokenizer)
         except BaseException as e:  # noqa: BLE001 - the core reports what is wrong with the model
             future.set_exception(e)
 
-    threading.Thread(target=run, name="kept-tokenizer", daemon=True).start()
+    threading.Thread(target=run, name="early-tokenizer", daemon=True).start()
     return future
 
 
