@@ -5,6 +5,7 @@ an entry another is keeping waits for it (a server's load does not)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -13,10 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from gracelm.model import entry_keeper
 from gracelm.model.entry_keeper import deferred_keeping, start_keeping, stop_keeping, wait_kept
 from gracelm.model.weight_cache import cached_tensors, entry_path
+from tests.process_checks import wait_until
+from tests.server_process import ServerProcess
+from tests.test_gguf import gguf_layout, hf_model, write_gguf
 
 EXPECTED = {"w": ((256, 64), torch.float32), "b": ((64,), torch.bfloat16)}
 HASH = "4b" * 32
@@ -47,16 +52,21 @@ def _names() -> list[str]:
 
 def test_a_servers_load_keeps_its_entry_once_told_to() -> None:
     """Within `deferred_keeping` the load returns the converted tensors with nothing written but the claim's
-    lock file; `start_keeping` writes the entry, which a later load maps instead of converting."""
+    lock file; `start_keeping` writes the entry, which a later load maps instead of converting. What the
+    loader does to the dict it was given meanwhile (the model's loader adds the blocks' meta stand-ins to
+    it) changes nothing of what is written."""
     entry = entry_path(HASH, "test")
     with deferred_keeping():
         served = cached_tensors(HASH, "test", EXPECTED, _fill)
     assert _names() == [f".{entry.name}.lock"]
+    kept = dict(served)
+    served["stand-in"] = torch.empty(2, device="meta")
+    del served["b"]
     start_keeping()
     wait_kept()
     assert _names() == [entry.name]
     mapped = cached_tensors(HASH, "test", EXPECTED, _refuse)
-    assert all(torch.equal(mapped[name], served[name]) for name in EXPECTED)
+    assert all(torch.equal(mapped[name], kept[name]) for name in EXPECTED)
 
 
 def test_a_stop_before_the_write_leaves_nothing() -> None:
@@ -168,3 +178,27 @@ def test_a_load_of_an_entry_this_process_defers_writes_it_first() -> None:
     mapped = cached_tensors(HASH, "test", EXPECTED, _refuse)
     assert all(torch.equal(mapped[name], served[name]) for name in EXPECTED)
     assert _names() == [entry_path(HASH, "test").name]
+
+
+def test_a_servers_cold_start_keeps_its_entries_after_ready_and_the_next_start_maps_them(tmp_path: Path
+                                                                                        ) -> None:
+    """A real server's first start: ready before its entries are kept, which they are afterwards (the log
+    says so), each whole; a stop at once leaves no temporary or lock file either way. The next start
+    converts nothing: it maps the same files."""
+    gguf = write_gguf(tmp_path / "m.gguf", gguf_layout(hf_model("llama", seed=31), "llama"), Q.Q4_1)
+    env = {"GRACELM_CACHE_DIR": str(tmp_path / "cache")}
+    args = ("--num-threads", "1", "--enforce-eager", "--kv-cache-memory", "8MiB")
+    folder = tmp_path / "cache" / "weights"
+    with ServerProcess(gguf, *args, env=env):  # stopped at once: kept or abandoned, never half written
+        pass
+    assert all(not p.name.startswith(".") for p in folder.iterdir()), list(folder.iterdir())
+    shutil.rmtree(folder)
+    with ServerProcess(gguf, *args, env=env) as server:
+        wait_until(lambda: "weights cache: kept" in server.log(), 60, server.log)
+        wait_until(lambda: not any(p.name.startswith(".") for p in folder.iterdir()), 60,
+                   lambda: str(list(folder.iterdir())))
+        kept = {p.name: p.stat().st_ino for p in folder.iterdir()}
+        assert server.log().count("weights cache: kept") == len(kept) >= 1, server.log()
+    with ServerProcess(gguf, *args, env=env) as again:
+        assert "weights cache: kept" not in again.log()
+        assert {p.name: p.stat().st_ino for p in folder.iterdir()} == kept

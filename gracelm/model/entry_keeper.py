@@ -27,6 +27,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -95,7 +96,7 @@ class _Keeper:
                  claim: Claim, after: Callable[[], None]) -> None:
         self.path = path
         self._header, self._starts = header
-        self._tensors = tensors
+        self._tensors = dict(tensors)  # the caller's dict may change (the loader adds to it), not its tensors
         self._claim = claim
         self._after = after
         self.stopping = threading.Event()
@@ -112,13 +113,16 @@ class _Keeper:
         self.write()
 
     def write(self) -> None:
+        started = time.monotonic()
         try:
             write_atomic(self.path, self._write)
         except _Stopped:
             logger.info("weights cache: %s not kept, the process stops", self.path.name)
-        except OSError as e:  # a read-only or full disk: served anyway, converted again next time
+        except Exception as e:  # a read-only or full disk above all: served anyway, converted again next time
             logger.warning("cannot keep the converted weights in %s: %s", self.path, e)
         else:
+            logger.info("weights cache: kept %s (%.2f GB) in %.1f s", self.path.name,
+                        self.path.stat().st_size / 1e9, time.monotonic() - started)
             self._after()
         finally:
             self.end()
