@@ -13,7 +13,7 @@ A `Claim` (an exclusive `flock` on a lock file beside the entry, `.<entry>.lock`
 converted or kept. A process that misses an entry another holds (the decode graph compiler started beside a
 cold start, a second server of the same model) waits for the claim, then maps the kept entry instead of
 converting the model again. The lock dies with its holder, so a killed writer blocks nobody; its temporary
-file and lock file are removed by the next write's pruning (`weight_cache._prune`).
+file and lock file are removed by a later write's pruning once an hour old (`weight_cache._prune`).
 
 A stop does not wait for a write: `stop_keeping` (the model's release) stops it between two chunks and
 removes its temporary file, so nothing is left; the next start converts again. `wait_kept` lets a process
@@ -75,13 +75,15 @@ class Claim:
 
     def release(self) -> None:
         """Unlinked before it is unlocked: a process waiting on it then finds the entry, and a later one
-        takes a new lock file."""
+        takes a new lock file. Only its own: a lock file made since by another process (which found this
+        one unlinked) is that process's."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         if fd >= 0:
             with contextlib.suppress(OSError):
-                self._lock_path.unlink()
+                if os.stat(self._lock_path).st_ino == os.fstat(fd).st_ino:
+                    self._lock_path.unlink()
             os.close(fd)
 
 
