@@ -7,7 +7,6 @@ terminal only."""
 from __future__ import annotations
 
 import gc
-import hashlib
 import io
 import logging
 import os
@@ -21,6 +20,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import xxhash
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
@@ -91,25 +91,21 @@ def test_a_load_counts_converting_as_repack_and_a_cache_hit_as_read(tmp_path: Pa
     assert [part.split()[0] for part in timeline.load_split().split(", ")] == list(startup_timeline.LOAD_WORK)
 
 
-def _chunked_sha256(data: bytes) -> str:
-    """The content hash's definition, written out: sha256 of the sha256 digests of `CHUNK`-byte chunks."""
-    chunks = [data[at:at + file_hash.CHUNK] for at in range(0, len(data), file_hash.CHUNK)]
-    return hashlib.sha256(b"".join(hashlib.sha256(chunk).digest() for chunk in chunks)).hexdigest()
-
-
-@pytest.mark.parametrize("size", [0, 1, file_hash.CHUNK, 2 * file_hash.CHUNK + 12345])
-def test_a_files_hash_digests_its_chunks_in_order(tmp_path: Path, size: int) -> None:
-    """Computed by several threads, the hash is the definition's, whatever the chunks' count; a chunk moved
-    elsewhere in the file changes it."""
-    data = os.urandom(size)
+@pytest.mark.parametrize("size", [0, 1, (64 << 20) + 12345])
+def test_a_files_hash_is_the_xxh3_of_all_its_bytes(tmp_path: Path, size: int) -> None:
+    """The definition (XXH3-128 of the bytes, as `xxhash` computes it); one byte changed anywhere, or two
+    parts swapped, changes it."""
+    data = bytearray(os.urandom(size))
     path = tmp_path / "weights.bin"
     path.write_bytes(data)
-    assert content_hash(path) == _chunked_sha256(data)
-    if size > file_hash.CHUNK:
+    assert content_hash(path) == xxhash.xxh3_128_hexdigest(bytes(data))
+    if size > 1:
+        data[size // 2] ^= 1
+        changed = tmp_path / "changed.bin"
+        changed.write_bytes(data)
         swapped = tmp_path / "swapped.bin"
-        swapped.write_bytes(data[file_hash.CHUNK:2 * file_hash.CHUNK] + data[:file_hash.CHUNK]
-                            + data[2 * file_hash.CHUNK:])
-        assert content_hash(swapped) != content_hash(path)
+        swapped.write_bytes(data[size // 2:] + data[:size // 2])
+        assert len({content_hash(path), content_hash(changed), content_hash(swapped)}) == 3
 
 
 def test_a_prefetched_hash_is_the_files_and_a_failed_one_fails_as_a_hash_does(tmp_path: Path) -> None:
@@ -118,10 +114,10 @@ def test_a_prefetched_hash_is_the_files_and_a_failed_one_fails_as_a_hash_does(tm
     path = tmp_path / "weights.bin"
     path.write_bytes(os.urandom(3 << 20))
     file_hash.prefetch(path)
-    assert content_hash(path) == _chunked_sha256(path.read_bytes())
+    assert content_hash(path) == xxhash.xxh3_128_hexdigest(path.read_bytes())
     path.write_bytes(b"other weights")
     file_hash.prefetch(path)
-    assert content_hash(path) == _chunked_sha256(b"other weights")
+    assert content_hash(path) == xxhash.xxh3_128_hexdigest(b"other weights")
     missing = tmp_path / "missing.gguf"
     file_hash.prefetch(missing)
     with pytest.raises(FileNotFoundError):

@@ -3,14 +3,16 @@ path, size and modification time (a file changed in place gets a new hash; an un
 `stat`). It names the weights themselves, whatever the model is called: what the KV-cache snapshot and
 the converted-weights cache are keyed by.
 
-`prefetch` starts a hash in a thread, which the next `content_hash` of the same path waits for: hashlib
-digests without holding the GIL, so the engine core hashes a new file beside its own imports
+`prefetch` starts a hash in a thread, which the next `content_hash` of the same path waits for: the digest
+runs without holding the GIL, so the engine core hashes a new file beside its own imports
 (`engine/core_entry.py`).
 
-A file's hash is the sha256 of its `CHUNK`s' sha256 digests, in order, which threads compute side by side
-(`_THREADS`): one sha256 stream runs on one CPU, and an 8B model's first start would otherwise wait seconds
-for its 5 GB while the other CPUs idle. The index names the definition (`INDEX`), so a hash kept under
-another is never taken for this one.
+A file's hash is the XXH3-128 of its bytes (`xxhash`): it reads memory as fast as memory gives it, so an 8B
+model's 5 GB take a fraction of a second of one CPU where sha256 took seconds of every CPU, which a first
+start shares with torch's import and its own conversion. It is no cryptographic hash: it tells files apart,
+not a file made to collide with another, which would be served that other's converted weights; the cache
+trusts the model files it is given, as it trusts its own folder. The index names the definition (`INDEX`),
+so a hash kept under another is never taken for this one.
 """
 
 from __future__ import annotations
@@ -22,17 +24,16 @@ import logging
 import mmap
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
+
+import xxhash
 
 from gracelm.cache_dir import cache_dir, write_atomic
 
 logger = logging.getLogger(__name__)
 
-INDEX = "file-hashes-v2.json"  # v2: the digest of chunks' digests
-CHUNK = 32 << 20
-# Threads that digest a file's chunks: the CPUs a start leaves idle while it waits for the hash, at most.
-_THREADS = min(4, len(os.sched_getaffinity(0)))
+INDEX = "file-hashes-v3.json"  # v3: XXH3-128 of the bytes (v2: sha256 of 32 MiB chunks' sha256)
 _lock = threading.Lock()  # one process's threads update the index one at a time
 _prefetched: dict[Path, Future[str]] = {}
 
@@ -54,8 +55,8 @@ def prefetch(path: str | Path) -> None:
 
 
 def content_hash(path: str | Path) -> str:
-    """A file's digest of its chunks' sha256 digests (hex; see above); a directory's, sha256 of its weight and
-    config files' names and hashes."""
+    """A file's XXH3-128 (hex; see above); a directory's, sha256 of its weight and config files' names and
+    hashes."""
     path = Path(path).resolve()
     with _lock:
         future = _prefetched.pop(path, None)
@@ -106,20 +107,15 @@ def file_hash(path: Path, compute: bool = True) -> str:
 
 
 def _digest(path: Path) -> str:
-    """sha256 of the sha256 digests of the file's `CHUNK`-byte chunks, in order (an empty file: of none)."""
+    """XXH3-128 of the file's bytes, hex."""
     with path.open("rb") as file:
         size = os.fstat(file.fileno()).st_size
-        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-    if mapping is None:
-        return hashlib.sha256().hexdigest()
-
-    def chunk(start: int) -> bytes:
-        with memoryview(mapping)[start:start + CHUNK] as part:
-            return hashlib.sha256(part).digest()
-
+        if not size:
+            return xxhash.xxh3_128().hexdigest()
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        with ThreadPoolExecutor(_THREADS, thread_name_prefix="content-hash") as pool:
-            return hashlib.sha256(b"".join(pool.map(chunk, range(0, size, CHUNK)))).hexdigest()
+        with memoryview(mapping) as data:
+            return xxhash.xxh3_128(data).hexdigest()
     finally:
         with contextlib.suppress(BufferError):  # a view an error's traceback holds: unmapped with it
             mapping.close()
