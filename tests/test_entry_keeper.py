@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from gracelm.model import entry_keeper
-from gracelm.model.entry_keeper import deferred_keeping, start_keeping, stop_keeping, wait_kept
+from gracelm.model.entry_keeper import deferred_keeping, start_keeping, stop_keeping
 from gracelm.model.weight_cache import cached_tensors, entry_path
 from tests.process_checks import wait_until
 from tests.server_process import ServerProcess
@@ -63,8 +63,7 @@ def test_a_servers_load_keeps_its_entry_once_told_to() -> None:
     served["stand-in"] = torch.empty(2, device="meta")
     del served["b"]
     start_keeping()
-    wait_kept()
-    assert _names() == [entry.name]
+    wait_until(lambda: _names() == [entry.name], 30, lambda: str(_names()))
     mapped = cached_tensors(HASH, "test", EXPECTED, _refuse)
     assert all(torch.equal(mapped[name], kept[name]) for name in EXPECTED)
 
@@ -74,7 +73,8 @@ def test_a_stop_before_the_write_leaves_nothing() -> None:
         cached_tensors(HASH, "test", EXPECTED, _fill)
     stop_keeping()
     assert _names() == []
-    wait_kept()  # nothing left to write
+    start_keeping()  # nothing left to write
+    time.sleep(0.2)
     assert _names() == []
 
 
@@ -160,8 +160,8 @@ def test_a_servers_load_converts_at_once_beside_another_process_keeping_it() -> 
         with deferred_keeping():
             served = cached_tensors(HASH, "test", EXPECTED, _fill)
         assert torch.equal(served["b"], torch.full((64,), 0.5, dtype=torch.bfloat16))
-        start_keeping()
-        wait_kept()
+        start_keeping()  # nothing to write: the holder keeps it
+        time.sleep(0.2)
         assert _names() == [f".{entry_path(HASH, 'test').name}.lock"]  # the holder's, nothing of this process
     finally:
         assert holder.stdin is not None

@@ -16,8 +16,7 @@ converting the model again. The lock dies with its holder, so a killed writer bl
 file and lock file are removed by a later write's pruning once an hour old (`weight_cache._prune`).
 
 A stop does not wait for a write: `stop_keeping` (the model's release) stops it between two chunks and
-removes its temporary file, so nothing is left; the next start converts again. `wait_kept` lets a process
-that exits on its own (the compiler) finish its writes first.
+removes its temporary file, so nothing is left; the next start converts again.
 """
 
 from __future__ import annotations
@@ -211,12 +210,3 @@ def _finish_own(entry: Path) -> None:
         assert keeper.thread is not None
         keeper.thread.join()
 
-
-def wait_kept() -> None:
-    """Writes the entries asked for, and waits for them to be kept or to fail."""
-    start_keeping()
-    with _keepers_lock:
-        keepers = list(_keepers)
-    for keeper in keepers:
-        if keeper.thread is not None:
-            keeper.thread.join()

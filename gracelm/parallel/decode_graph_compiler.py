@@ -29,7 +29,6 @@ def compile_in_child(config: EngineConfig) -> None:
     import gracelm.cpu_features as cpu_features
     from gracelm.lifecycle.processes import exit_process
     from gracelm.model.decode_graph import compile_graph, inductor_cache
-    from gracelm.model.entry_keeper import wait_kept
     from gracelm.model.loader import load_model
     from gracelm.parallel.decode_graph_build import graph_files
     from gracelm.parallel.worker import dense_weights_for
@@ -50,7 +49,6 @@ def compile_in_child(config: EngineConfig) -> None:
         if not path.exists():
             compile_graph(loaded.model, config.block_size, rows, path)
             logging.getLogger(__name__).info("decode graph written to %s", path)
-    wait_kept()  # the entries this process converted, where it found none (`entry_keeper.py`)
     # At once: the interpreter's teardown of torch and inductor, at low priority beside a busy core, takes
     # many seconds for nothing.
     exit_process(0)
