@@ -129,11 +129,26 @@ def test_a_tokenizer_built_here_that_is_not_the_cores_is_not_taken(gguf_file: Pa
     other = write_gguf(tmp_path / "other.gguf", gguf_layout(hf_model("llama", seed=12), "llama"), Q.Q8_0)
     other_tokenizer = open_gguf(other).tokenizer()
     assert other_tokenizer.to_dict() != open_gguf(gguf_file).tokenizer().to_dict()
-    monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(lambda cls, path: other_tokenizer))
+    monkeypatch.setattr(Tokenizer, "from_gguf_without_transformers",
+                        classmethod(lambda cls, path: other_tokenizer))
     rebuilt = _rebuilt(monkeypatch)
     with Engine(str(gguf_file), **ENGINE) as engine:
         assert engine.tokenizer is not other_tokenizer and len(rebuilt) == 1
         assert engine.tokenizer.to_dict() == open_gguf(gguf_file).tokenizer().to_dict()
+
+
+def test_the_frontend_builds_no_tokenizer_that_needs_transformers(gguf_file: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF kind that only transformers builds: the frontend's thread gives none (the core's is rebuilt
+    after Ready), instead of importing transformers, and torch with it, into the HTTP process."""
+    import gracelm.model.tokenizer as tokenizer_module
+
+    def refused(path: Path) -> object:
+        raise AssertionError("the frontend built a tokenizer through transformers")
+
+    monkeypatch.setattr(tokenizer_module, "build_gguf_tokenizer", lambda metadata: None)
+    monkeypatch.setattr(tokenizer_module, "_gguf_through_transformers", refused)
+    assert frontend._tokenizer_soon(str(gguf_file)).result(timeout=60) is None
 
 
 def test_the_task_comes_from_the_core_and_a_header_the_frontend_cannot_read_costs_nothing(

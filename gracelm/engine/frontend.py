@@ -329,8 +329,9 @@ class EngineFrontend:
 def _tokenizer_soon(model: str | None) -> Future[Tokenizer | None]:
     """The model's tokenizer, got in a thread beside the core's start (whose first second is its own imports,
     on another CPU): from the cache where the model's hash and its tokenizer are kept; else, for a GGUF file,
-    built from the file's metadata as the core builds it. None for a model directory the cache has not seen
-    (its tokenizer is built through transformers: seconds, and the core sends it anyway)."""
+    built from the file's metadata as the core builds it. None where the cache has not seen the model and only
+    transformers builds its tokenizer (a model directory, some GGUF kinds): importing it here would take
+    seconds and hundreds of MB of this process's memory, and the core sends its tokenizer anyway."""
     future: Future[Tokenizer | None] = Future()
 
     def run() -> None:
@@ -343,7 +344,7 @@ def _tokenizer_soon(model: str | None) -> Future[Tokenizer | None]:
             model_hash = known_hash(path)
             tokenizer = None if model_hash is None else kept_tokenizer(model_hash)
             if tokenizer is None and path.is_file():
-                tokenizer = Tokenizer.from_gguf(path)
+                tokenizer = Tokenizer.from_gguf_without_transformers(path)
             if tokenizer is not None:
                 tokenizer.to_dict()  # serialized here, for `_take_ready`'s comparison with the core's
                 tokenizer.backend  # noqa: B018 - built here, beside the core's start, not after Ready

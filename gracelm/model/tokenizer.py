@@ -96,6 +96,19 @@ class Tokenizer:
         tokenizer transformers builds, without importing it), else through transformers. `metadata`, when
         the caller has already read the file, saves reading it again.
         """
+        tokenizer = cls._from_gguf(path, metadata, through_transformers=True)
+        assert tokenizer is not None
+        return tokenizer
+
+    @classmethod
+    def from_gguf_without_transformers(cls, path: str | Path) -> Tokenizer | None:
+        """`from_gguf`'s tokenizer where the `tokenizers` library alone builds it; None where the file's kind
+        needs transformers, whose import takes seconds and hundreds of MB (torch's among them)."""
+        return cls._from_gguf(path, None, through_transformers=False)
+
+    @classmethod
+    def _from_gguf(cls, path: str | Path, metadata: dict | None, through_transformers: bool
+                   ) -> Tokenizer | None:
         from gracelm.model.gguf_reader import read_gguf
 
         path = Path(path).resolve()
@@ -106,6 +119,8 @@ class Tokenizer:
         try:
             built = build_gguf_tokenizer(metadata)
             if built is None:
+                if not through_transformers:
+                    return None
                 return cls._of_transformers(_gguf_through_transformers(path), path.stem, extra_eos_ids)
         except (ValueError, KeyError, IndexError) as e:  # a kind nobody can build, or missing fields
             raise ValueError(f"{path}: cannot build the tokenizer stored in this GGUF file: {e!r}") from e
