@@ -86,8 +86,8 @@ def test_a_load_counts_converting_as_repack_and_a_cache_hit_as_read(tmp_path: Pa
         timeline.marks.clear()
         load_model(gguf_file, dtype="float32")
         marks.append([phase for phase, _ in timeline.marks])
-    assert marks[0] == ["read", "verify", "tokenizer", "repack", "model"], marks
-    assert marks[1] == ["read", "verify", "tokenizer", "read", "model"], marks
+    assert marks[0] == ["read", "verify", "repack", "model"], marks  # the tokenizer: at its first use
+    assert marks[1] == ["read", "verify", "read", "model"], marks
     assert [part.split()[0] for part in timeline.load_split().split(", ")] == list(startup_timeline.LOAD_WORK)
 
 

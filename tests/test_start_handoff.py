@@ -1,22 +1,30 @@
 """What the frontend does while the engine core starts (docs/architecture.md, "Start-up"): it reads the
-model's tokenizer from the cache, where the core's came from, or builds a GGUF file's from its metadata as
-the core does, instead of rebuilding the core's after Ready, and takes it only where it is the core's; it
-reads no model file to find the task, which the core finds and sends in Ready. `known_hash` gives a kept
-hash without hashing; `kept_tokenizer` reads an entry without repairing it, which is the core's part. The
-core's own tokenizer, read from the cache, stays its serialized form until a request needs text encoded."""
+model's tokenizer from the cache, or builds a GGUF file's from its metadata, beside the core's start. For a
+GGUF file whose tokenizer the `tokenizers` library builds alone, the core builds none before Ready and sends
+none: the frontend's is taken where it is of the file the core loaded, and kept in the cache; otherwise the
+core sends its own, and the frontend's is taken only where it is that one. The frontend reads no model file
+to find the task, which the core finds and sends in Ready. `known_hash` gives a kept hash without hashing;
+`kept_tokenizer` reads an entry without repairing it, which is the core's part. The core's own tokenizer,
+built or read from the cache at its first use, stays its serialized form until a request needs text
+encoded."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-import gracelm.engine.frontend as frontend
+import gracelm.engine.core as core_module
+import gracelm.engine.early_tokenizer as early_tokenizer
 import gracelm.model.tokenizer_cache as tokenizer_cache
 from gracelm import Engine
+from gracelm.cache_dir import ENV as CACHE_ENV
 from gracelm.cache_dir import cache_dir
 from gracelm.config import EngineConfig
+from gracelm.engine import messages as msg
 from gracelm.engine.core import EngineCore
 from gracelm.model import file_hash
 from gracelm.model.file_hash import content_hash, known_hash
@@ -98,43 +106,131 @@ def _rebuilt(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return rebuilt
 
 
+def _kept_meanwhile() -> None:
+    """Waits for the frontend's writes of the tokenizers it built (beside the first requests)."""
+    for thread in threading.enumerate():
+        if thread.name == "keep-tokenizer":
+            thread.join(timeout=60)
+
+
 def test_a_started_model_takes_its_tokenizer_from_the_cache_while_the_core_starts(
         gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     read = _recording(monkeypatch)
     rebuilt = _rebuilt(monkeypatch)
-    with Engine(str(gguf_file), **ENGINE) as cold:  # the file unknown: its tokenizer built from it
+    with Engine(str(gguf_file), **ENGINE) as cold:  # the file unknown: its tokenizer built from it here
         cold_tokenizer, cold_tokens = cold.tokenizer.to_dict(), _greedy(cold)
+    _kept_meanwhile()
     assert read == [] and rebuilt == []  # neither read from the cache nor the core's rebuilt
-    assert cold_tokenizer == open_gguf(gguf_file).tokenizer().to_dict()
+    assert cold_tokenizer == Tokenizer.from_gguf(gguf_file).to_dict()
+    assert kept_tokenizer(content_hash(gguf_file)).to_dict() == cold_tokenizer  # kept by the frontend
+    rebuilt.clear()
     with Engine(str(gguf_file), **ENGINE) as warm:
         assert len(read) == 1 and read[0] is not None and warm.tokenizer is read[0]
         assert warm.tokenizer.to_dict() == cold_tokenizer and _greedy(warm) == cold_tokens
+    assert rebuilt == [cold_tokenizer]  # the kept entry's, once
+
+
+def test_the_core_builds_no_tokenizer_before_ready_where_the_frontend_builds_it(
+        gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file whose tokenizer builds without transformers: the core's load neither builds nor reads it,
+    and its Ready carries none; its own is built at the first use, and kept."""
+    built: list[Path] = []
+    from_gguf = Tokenizer.from_gguf.__func__  # type: ignore[attr-defined]
+
+    def recorded(cls: type[Tokenizer], path: Path, metadata: dict | None = None) -> Tokenizer:
+        built.append(path)
+        return from_gguf(cls, path, metadata)
+
+    monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(recorded))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # none of this file's tokenizer kept yet
+    read = _recording(monkeypatch)
+    config = EngineConfig(model=str(gguf_file), dtype="float32", num_threads=1, enforce_eager=True,
+                          kv_cache_memory="1MiB", max_model_len=256)
+    core = EngineCore(config)
+    try:
+        assert core.tokenizer_in_file and core_module._tokenizer_sent(core) is None
+        assert built == [] and read == []
+        assert core.tokenizer.to_dict() == core.tokenizer.to_dict() and len(built) == 1  # built once
+        assert kept_tokenizer(content_hash(gguf_file)).to_dict() == core.tokenizer.to_dict()
+    finally:
+        core.executor.shutdown()
+
+
+def test_a_gguf_kind_only_transformers_builds_is_sent_by_the_core(gguf_file: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frontend cannot build it (it imports no transformers): the core builds it before Ready and sends
+    it, and the frontend rebuilds that one."""
+    import gracelm.model.loader as loader
+
+    monkeypatch.setattr(loader, "builds_alone", lambda metadata: False)
+    config = EngineConfig(model=str(gguf_file), dtype="float32", num_threads=1, enforce_eager=True,
+                          kv_cache_memory="1MiB", max_model_len=256)
+    core = EngineCore(config)
+    try:
+        assert not core.tokenizer_in_file
+        assert core_module._tokenizer_sent(core) == Tokenizer.from_gguf(gguf_file).to_dict()
+    finally:
+        core.executor.shutdown()
+
+
+def _ready(gguf_file: Path, model_hash: str, tokenizer: dict | None = None) -> msg.Ready:
+    return msg.Ready(256, "tiny", {}, tokenizer, model_hash, 16)
+
+
+def _got(value: early_tokenizer.Got) -> Future[early_tokenizer.Got]:
+    future: Future[early_tokenizer.Got] = Future()
+    future.set_result(value)
+    return future
+
+
+def test_a_tokenizer_built_here_is_taken_where_it_is_of_the_loaded_file_and_kept(gguf_file: Path) -> None:
+    got = early_tokenizer.read(str(gguf_file))
+    assert got.tokenizer is not None and got.kept_as is None and got.stamp is not None
+    taken = early_tokenizer.take(_ready(gguf_file, content_hash(gguf_file)), str(gguf_file), _got(got))
+    _kept_meanwhile()
+    assert taken is got.tokenizer
+    assert kept_tokenizer(content_hash(gguf_file)).to_dict() == taken.to_dict()
+
+
+def test_a_tokenizer_read_before_the_file_changed_is_not_taken(gguf_file: Path, tmp_path: Path) -> None:
+    """The file replaced after the frontend read it: it reads the file again, and takes that only where it
+    is what the core loaded (its hash in Ready); else the start fails, naming the file."""
+    original_hash = content_hash(gguf_file)
+    got = early_tokenizer.read(str(gguf_file))
+    other = write_gguf(tmp_path / "other.gguf", gguf_layout(hf_model("llama", seed=12), "llama"), Q.Q8_0)
+    other_tokenizer = Tokenizer.from_gguf(other)
+    assert other_tokenizer.to_dict() != got.tokenizer.to_dict()
+    gguf_file.write_bytes(other.read_bytes())  # the core loaded this one
+    taken = early_tokenizer.take(_ready(gguf_file, content_hash(other)), str(gguf_file), _got(got))
+    assert taken is not got.tokenizer and taken.backend_json() == other_tokenizer.backend_json()
+    with pytest.raises(RuntimeError, match=f"{gguf_file} changed while the engine core loaded it"):
+        early_tokenizer.take(_ready(gguf_file, original_hash), str(gguf_file), _got(got))
 
 
 def test_a_kept_tokenizer_of_another_model_is_not_taken(gguf_file: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     other = write_gguf(tmp_path / "other.gguf", gguf_layout(hf_model("llama", seed=12), "llama"), Q.Q8_0)
     open_gguf(other).tokenizer()  # kept, under the other file's hash
-    monkeypatch.setattr(frontend, "known_hash", lambda path: content_hash(other))
+    monkeypatch.setattr(early_tokenizer, "known_hash", lambda path: content_hash(other))
     read = _recording(monkeypatch)
     with Engine(str(gguf_file), **ENGINE) as engine:
         assert len(read) == 1 and read[0] is not None and engine.tokenizer is not read[0]
-        assert engine.tokenizer.to_dict() == open_gguf(gguf_file).tokenizer().to_dict()
+        assert engine.tokenizer.to_dict() == Tokenizer.from_gguf(gguf_file).to_dict()
 
 
 def test_a_tokenizer_built_here_that_is_not_the_cores_is_not_taken(gguf_file: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The file read by the frontend is not the one the core read (replaced in between): the core's
-    tokenizer is rebuilt from its Ready."""
+    """Where the core sends its tokenizer (a kind only transformers builds), one got here that is another
+    is not taken: the core's is rebuilt from its Ready."""
     other = write_gguf(tmp_path / "other.gguf", gguf_layout(hf_model("llama", seed=12), "llama"), Q.Q8_0)
-    other_tokenizer = open_gguf(other).tokenizer()
-    assert other_tokenizer.to_dict() != open_gguf(gguf_file).tokenizer().to_dict()
-    monkeypatch.setattr(Tokenizer, "from_gguf_without_transformers",
-                        classmethod(lambda cls, path: other_tokenizer))
+    other_tokenizer = Tokenizer.from_gguf(other)
+    core_tokenizer = Tokenizer.from_gguf(gguf_file).to_dict()
+    assert other_tokenizer.to_dict() != core_tokenizer
+    got = early_tokenizer.Got(other_tokenizer, None, None)
     rebuilt = _rebuilt(monkeypatch)
-    with Engine(str(gguf_file), **ENGINE) as engine:
-        assert engine.tokenizer is not other_tokenizer and len(rebuilt) == 1
-        assert engine.tokenizer.to_dict() == open_gguf(gguf_file).tokenizer().to_dict()
+    taken = early_tokenizer.take(_ready(gguf_file, content_hash(gguf_file), core_tokenizer), str(gguf_file),
+                                 _got(got))
+    assert taken is not other_tokenizer and rebuilt == [core_tokenizer]
 
 
 def test_the_frontend_builds_no_tokenizer_that_needs_transformers(gguf_file: Path,
@@ -148,24 +244,30 @@ def test_the_frontend_builds_no_tokenizer_that_needs_transformers(gguf_file: Pat
 
     monkeypatch.setattr(tokenizer_module, "build_gguf_tokenizer", lambda metadata: None)
     monkeypatch.setattr(tokenizer_module, "_gguf_through_transformers", refused)
-    assert frontend._tokenizer_soon(str(gguf_file)).result(timeout=60) is None
+    assert early_tokenizer.begin(str(gguf_file)).result(timeout=60).tokenizer is None
 
 
-def test_the_task_comes_from_the_core_and_a_header_the_frontend_cannot_read_costs_nothing(
+def test_the_task_comes_from_the_core_and_a_header_the_frontend_failed_to_read_is_read_again(
         gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The frontend reads a GGUF header only for the tokenizer, in a thread beside the core's start: an
-    unreadable header there fails nothing; the core, which reads the same file in its own process, finds the
-    task and sends its tokenizer."""
+    """The frontend reads a GGUF header only for the tokenizer, in a thread beside the core's start: a
+    failure there costs a second read after Ready; the core, which reads the same file in its own process,
+    finds the task."""
     import gracelm.model.gguf_reader as gguf_reader
 
-    def refused(*args, **kwargs):
-        raise OSError("the frontend cannot read this GGUF header")
+    read_gguf = gguf_reader.read_gguf
+    calls: list[Path] = []
 
-    monkeypatch.setattr(gguf_reader, "read_gguf", refused)
-    rebuilt = _rebuilt(monkeypatch)
+    def failing_once(path: Path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError("the frontend cannot read this GGUF header")
+        return read_gguf(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_reader, "read_gguf", failing_once)
     with Engine(str(gguf_file), **ENGINE) as engine:
         assert engine.pooling is None and engine.config.task == "generate"
-        assert len(rebuilt) == 1  # the core's, from Ready
+        assert len(calls) == 2
+        assert engine.tokenizer.to_dict() == Tokenizer.from_gguf(gguf_file).to_dict()
         assert len(_greedy(engine)) == 4
 
 
@@ -174,7 +276,9 @@ def test_the_cores_tokenizer_is_built_only_where_a_request_needs_its_text_encode
     from the serialized form: its start, warm-up included, builds no `tokenizers` object; encoding does."""
     config = EngineConfig(model=str(gguf_file), dtype="float32", num_threads=1, enforce_eager=True,
                           kv_cache_memory="1MiB", max_model_len=256)
-    EngineCore(config).executor.shutdown()  # the first start builds the tokenizer, and keeps it
+    first = EngineCore(config)
+    first.tokenizer  # noqa: B018 - built at its first use, and kept
+    first.executor.shutdown()
     core = EngineCore(config)
     try:
         tokenizer = core.tokenizer

@@ -30,6 +30,7 @@ import os
 import signal
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -54,6 +55,9 @@ from gracelm.model.file_hash import content_hash
 from gracelm.model.pooling import Pooling, task_pooling
 from gracelm.parallel.executor import Executor
 
+if TYPE_CHECKING:
+    from gracelm.model.tokenizer import Tokenizer
+
 logger = logging.getLogger(__name__)
 # How long the core's last messages (final outputs, a fatal error report) may wait for the frontend.
 _SEND_LINGER_MS = 2000
@@ -73,7 +77,8 @@ class EngineCore:
             self.model_name = loaded.name
             self.model_path = loaded.path
             self.model_config = loaded.config
-            self.tokenizer = loaded.tokenizer
+            self._tokenizer_of = loaded.tokenizer_of
+            self.tokenizer_in_file = loaded.tokenizer_in_file
             self.max_model_len, num_blocks = self._size_kv_cache()
             # Checked before the cache is allocated: it refuses a cache too small for one request.
             scheduler_config = SchedulerConfig(
@@ -104,6 +109,11 @@ class EngineCore:
         timeline = startup_timeline.current()
         if timeline is not None:
             logger.info("model load: %s", timeline.load_split())
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's, built or read from the cache at the first use (`LoadedModel.tokenizer_of`)."""
+        return self._tokenizer_of()
 
     def _size_kv_cache(self) -> tuple[int, int]:
         """max_model_len and the number of KV blocks."""
@@ -321,7 +331,7 @@ def _serve(config: EngineConfig, input_socket: zmq.Socket, output_socket: zmq.So
     ledger.acquire(ResourceKind.MODEL, f"engine core: executor of {core.model_name}",
                    lambda: executor_reports.append(core.executor.shutdown()), timeout=30)
     output_socket.send(msg.encode(msg.Ready(
-        core.max_model_len, core.model_name, dataclasses.asdict(core.model_config), core.tokenizer.to_dict(),
+        core.max_model_len, core.model_name, dataclasses.asdict(core.model_config), _tokenizer_sent(core),
         content_hash(core.model_path), core.scheduler.kv_cache.num_total_blocks, pooling=core.pooling,
         startup_marks=_startup_marks())))
     proc = EngineCoreProc(core, input_socket, output_socket, heartbeat)
@@ -373,6 +383,12 @@ def _token_output(update: RequestUpdate) -> msg.TokenOutput:
     return msg.TokenOutput(update.request_id, sampled.token_id, update.finish_reason, update.stop_reason,
                            sampled.logprob, sampled.top_ids, sampled.top_logprobs,
                            prompt_logprobs=update.prompt_logprobs)
+
+
+def _tokenizer_sent(core: EngineCore) -> dict | None:
+    """The tokenizer Ready carries: none where the frontend builds it from the model file itself
+    (`engine/early_tokenizer.py`), the core building its own only where a request needs it."""
+    return None if core.tokenizer_in_file else core.tokenizer.to_dict()
 
 
 def _startup_marks() -> list[tuple[str, float]]:

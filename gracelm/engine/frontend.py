@@ -15,7 +15,6 @@ import atexit
 import contextlib
 import dataclasses
 import logging
-import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -24,21 +23,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gracelm.config import EngineConfig, ModelConfig
+from gracelm.engine import early_tokenizer
 from gracelm.engine import messages as msg
 from gracelm.engine.core_client import EngineCoreClient
 from gracelm.engine.errors import EngineDeadError
 from gracelm.lifecycle.ledger import Ledger, ResourceKind, ShutdownReport
 from gracelm.lifecycle.process_end import ProcessEnd
-from gracelm.lifecycle.signals import HANDLED_SIGNALS
-from gracelm.model.file_hash import known_hash
-from gracelm.model.model_files import resolve_model_path
 from gracelm.model.pooling import Pooling
 from gracelm.parallel.layout import check_parallel_config
 from gracelm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # imported where the core's Ready is taken: the core starts without waiting for them
     from gracelm.engine.output_processor import OpenRequest
-    from gracelm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +127,7 @@ class EngineFrontend:
             raise ValueError("task embed (--task) is served on one rank: tensor_parallel_size must be 1")
         self._client = EngineCoreClient(config, self._ledger)
         with self._client.starting():  # the threads start after the core's process: none delays it
-            tokenizer_read = _tokenizer_soon(config.model)
+            tokenizer_read = early_tokenizer.begin(config.model)
             if beside_load is not None:
                 beside_load()
             ready = self._client.wait_ready()
@@ -151,22 +147,12 @@ class EngineFrontend:
         self._finalizer.atexit = False
         atexit.register(self._finalizer)
 
-    def _take_ready(self, config: EngineConfig, ready: msg.Ready, tokenizer_read: Future[Tokenizer | None]
+    def _take_ready(self, config: EngineConfig, ready: msg.Ready, tokenizer_read: Future[early_tokenizer.Got]
                     ) -> None:
         """What the core's Ready message says of the model it loaded."""
         from gracelm.engine.output_processor import OutputProcessor
-        from gracelm.model.tokenizer import Tokenizer
 
-        # Built by the core, which reads the model's files; the one got here while the core started serves
-        # where it is the same tokenizer (a file changed meanwhile gives another), else the core's is rebuilt
-        # here, without transformers or torch.
-        try:
-            tokenizer = tokenizer_read.result()
-        except Exception:  # noqa: BLE001 - what the core reported of the model is what counts
-            tokenizer = None
-        if tokenizer is None or tokenizer.to_dict() != ready.tokenizer:
-            tokenizer = Tokenizer.from_dict(ready.tokenizer)
-        self.tokenizer = tokenizer
+        self.tokenizer = early_tokenizer.take(ready, config.model, tokenizer_read)
         # The core found the task in the model's files (`--task auto`).
         self.pooling = ready.pooling
         self.config = dataclasses.replace(config, max_model_len=ready.max_model_len,
@@ -324,36 +310,6 @@ class EngineFrontend:
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
-
-
-def _tokenizer_soon(model: str | None) -> Future[Tokenizer | None]:
-    """The model's tokenizer, got in a thread beside the core's start (whose first second is its own imports,
-    on another CPU): from the cache where the model's hash and its tokenizer are kept; else, for a GGUF file,
-    built from the file's metadata as the core builds it. None where the cache has not seen the model and only
-    transformers builds its tokenizer (a model directory, some GGUF kinds): importing it here would take
-    seconds and hundreds of MB of this process's memory, and the core sends its tokenizer anyway."""
-    future: Future[Tokenizer | None] = Future()
-
-    def run() -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)  # they are the main thread's to take
-        try:
-            from gracelm.model.tokenizer import Tokenizer
-            from gracelm.model.tokenizer_cache import kept_tokenizer
-
-            path = resolve_model_path(model)
-            model_hash = known_hash(path)
-            tokenizer = None if model_hash is None else kept_tokenizer(model_hash)
-            if tokenizer is None and path.is_file():
-                tokenizer = Tokenizer.from_gguf_without_transformers(path)
-            if tokenizer is not None:
-                tokenizer.to_dict()  # serialized here, for `_take_ready`'s comparison with the core's
-                tokenizer.backend  # noqa: B018 - built here, beside the core's start, not after Ready
-            future.set_result(tokenizer)
-        except BaseException as e:  # noqa: BLE001 - the core reports what is wrong with the model
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="early-tokenizer", daemon=True).start()
-    return future
 
 
 def _call_if_alive(ref: weakref.ref, end: ProcessEnd) -> None:

@@ -61,9 +61,12 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int
     model_name: str
     model_config: dict  # `ModelConfig` fields
-    tokenizer: dict  # `Tokenizer.to_dict()`: the frontend rebuilds it without transformers or torch
+    # `Tokenizer.to_dict()`: the frontend rebuilds it without transformers or torch. None: the model file's
+    # own, which the frontend builds itself without transformers (`engine/early_tokenizer.py`).
+    tokenizer: dict | None
     # `file_hash.content_hash` of the model: the key of the tokenizer cache's entry, which the frontend may
-    # have read while the core started instead of rebuilding `tokenizer`.
+    # have read while the core started instead of rebuilding `tokenizer`; and what the file the frontend
+    # built its tokenizer from must be.
     model_hash: str
     num_kv_blocks: int  # the KV cache in blocks of --block-size tokens (the admission bound derives from it)
     # An embedding model's pooling (the task the core found in the model's files for --task); None: it

@@ -65,13 +65,11 @@ class GGUFTokenizer:
 
 def build_gguf_tokenizer(metadata: dict[str, Any]) -> GGUFTokenizer | None:
     """The tokenizer a GGUF file's metadata describes, or None where transformers must build it."""
-    kind = metadata.get("tokenizer.ggml.model")
-    if not _handled(kind, metadata):
+    if not builds_alone(metadata):
         return None
+    kind = metadata["tokenizer.ggml.model"]
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = _merges(metadata, tokens)
-    if merges is None:
-        return None
     backend = _byte_level(tokens, merges) if kind == "gpt2" else _sentencepiece(tokens, merges)
     backend.add_tokens([AddedToken(token, special=True) for token in _CLASS_DEFAULTS[kind]])
     _add_marked_tokens(backend, metadata, byte_level=kind == "gpt2")
@@ -89,10 +87,16 @@ def build_gguf_tokenizer(metadata: dict[str, Any]) -> GGUFTokenizer | None:
     return GGUFTokenizer(backend, special_tokens, metadata.get("tokenizer.chat_template"))
 
 
-def _handled(kind: str | None, metadata: dict[str, Any]) -> bool:
+def builds_alone(metadata: dict[str, Any]) -> bool:
+    """Whether `build_gguf_tokenizer` builds this metadata's tokenizer (not None), told from its kind and
+    keys alone: the metadata may be read without its string arrays (`read_gguf`), whose keys it keeps."""
+    kind = metadata.get("tokenizer.ggml.model")
     if kind == "gpt2":
-        return metadata.get("tokenizer.ggml.pre") in _BYTE_LEVEL_SPLITS
-    return kind == "llama" and metadata.get("general.architecture") not in _OWN_SENTENCEPIECE
+        handled = metadata.get("tokenizer.ggml.pre") in _BYTE_LEVEL_SPLITS
+    else:
+        handled = kind == "llama" and metadata.get("general.architecture") not in _OWN_SENTENCEPIECE
+    merges = "tokenizer.ggml.merges" in metadata or metadata.get("tokenizer.ggml.scores") is not None
+    return handled and merges
 
 
 def _add_named_tokens(backend: Backend, metadata: dict[str, Any]) -> dict[str, str | None]:
@@ -130,14 +134,12 @@ def _sentencepiece(tokens: Sequence[str], merges: list[tuple[str, ...]]) -> Back
     return backend
 
 
-def _merges(metadata: dict[str, Any], tokens: Sequence[str]) -> list[tuple[str, ...]] | None:
-    """The file's merges; else those its vocabulary and scores imply (SentencePiece files store no merges);
-    None with neither."""
+def _merges(metadata: dict[str, Any], tokens: Sequence[str]) -> list[tuple[str, ...]]:
+    """The file's merges; else those its vocabulary and scores imply (SentencePiece files store no merges)."""
     merges = metadata.get("tokenizer.ggml.merges")
     if merges is not None:
         return [tuple(merge.split(" ")) for merge in merges]
-    scores = metadata.get("tokenizer.ggml.scores")
-    return None if scores is None else _merges_from_scores(tokens, scores)
+    return _merges_from_scores(tokens, metadata["tokenizer.ggml.scores"])
 
 
 def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, ...]]:

@@ -10,11 +10,12 @@ dense bfloat16 weights take 270 MB beside 98 MB of blocks).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from gracelm.model.expert_weights import split_hf_experts
 from gracelm.model.file_hash import content_hash
 from gracelm.model.fused_weights import split_hf
 from gracelm.model.gemma import causal_lm_class
+from gracelm.model.gguf_tokenizer import builds_alone
 from gracelm.model.llama import LlamaForCausalLM
 from gracelm.model.load_progress import load_progress
 from gracelm.model.model_files import ModelLoadError, read_hf_config, resolve_model_path
@@ -62,13 +64,22 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
-    tokenizer: Tokenizer
+    # The tokenizer, built or read from the cache once, at its first call: a GGUF file's only where a
+    # request needs it (structured outputs), or a KV-cache snapshot's fingerprint (see `tokenizer_in_file`).
+    tokenizer_of: Callable[[], Tokenizer]
     path: Path
     dtype: torch.dtype
     name: str
     device: torch.device
     # The 4-bit forms of some weights, by name, until `freeze` hands them to the model.
     int4: dict[str, LowBitForm] = field(default_factory=dict)
+    # Whether `Tokenizer.from_gguf_without_transformers` builds the tokenizer from the model file: a
+    # process without transformers builds it there itself, and the engine core sends none in Ready.
+    tokenizer_in_file: bool = False
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.tokenizer_of()
 
     def freeze(self, int4_max_rows: int | None = None) -> None:
         """Readies the model for inference (`LlamaForCausalLM.freeze`), its linears of 4-bit forms using them
@@ -120,7 +131,7 @@ def _load_hf_directory(path: Path, dtype: str, device: torch.device, embedding: 
     mark("model")
     tokenizer = cached_tokenizer(content_hash(path), lambda: Tokenizer.from_dir(path))
     mark("tokenizer")
-    return LoadedModel(config, model, tokenizer, path, target, path.name, device)
+    return LoadedModel(config, model, lambda: tokenizer, path, target, path.name, device)
 
 
 def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.device,
@@ -138,8 +149,11 @@ def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.dev
     tensors = model_file.gguf.tensors
     dense = [info.shape for name, info in tensors.items() if model_file.names.get(name) not in without]
     _check_weights_fit(dense, sum(tensors[name].nbytes for name in blocks), target, device)
-    tokenizer = model_file.tokenizer()
-    mark("tokenizer")
+    tokenizer_of = functools.cache(model_file.tokenizer)
+    in_file = builds_alone(model_file.gguf.metadata)
+    if not in_file:  # sent in Ready: built now, through transformers (or read from the cache)
+        tokenizer_of()
+        mark("tokenizer")
     state = model_file.weights(target, without)
     state.update({name: torch.empty(tensors[gguf_name].shape, dtype=target, device="meta")
                   for gguf_name, name in blocks.items() if name in without})
@@ -148,7 +162,8 @@ def _load_gguf_file(path: Path, dtype: str, quantization: str, device: torch.dev
     if _EMBEDDING in without:
         model.model.embed_tokens = model_file.embedding(target)
     mark("model")
-    return LoadedModel(model_file.config, model, tokenizer, path, target, path.stem, device, int4)
+    return LoadedModel(model_file.config, model, tokenizer_of, path, target, path.stem, device, int4,
+                       tokenizer_in_file=in_file)
 
 
 def _dense_copy(dense_weights: str, form: type[LowBitForm] | None, model_file: GGUFModel) -> bool:

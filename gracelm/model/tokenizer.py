@@ -5,10 +5,11 @@ metadata by `gguf_tokenizer`, which builds what transformers builds without impo
 transformers for the kinds it leaves to it), so that ids are exactly those transformers gives for the same
 files. Then carried as a plain dict (`to_dict`: the `tokenizers` serialization, the chat template, the
 special tokens) to wherever it is used: the engine core sends it to the frontend in its `Ready` message,
-and the frontend rebuilds it with `from_dict` without importing transformers or torch. Chat templates are
-rendered with jinja2 in a sandbox set up as transformers sets up its own (trim_blocks, lstrip_blocks, loop
-controls, `raise_exception`, a `tojson` that does not escape HTML, `strftime_now`), so the prompts are the
-same.
+and the frontend rebuilds it with `from_dict` without importing transformers or torch; a GGUF file's that
+`gguf_tokenizer` builds, the frontend builds from the file itself (`engine/early_tokenizer.py`). Chat
+templates are rendered with jinja2 in a sandbox set up as transformers sets up its own (trim_blocks,
+lstrip_blocks, loop controls, `raise_exception`, a `tojson` that does not escape HTML, `strftime_now`), so
+the prompts are the same.
 
 The one thing it adds is `eos_token_ids`, the set of ids that end a generation.
 """

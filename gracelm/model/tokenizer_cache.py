@@ -34,11 +34,18 @@ def cached_tokenizer(model_hash: str, build: Callable[[], Tokenizer]) -> Tokeniz
     if tokenizer is not None:
         return tokenizer
     tokenizer = build()
+    keep(model_hash, tokenizer)
+    return tokenizer
+
+
+def keep(model_hash: str, tokenizer: Tokenizer) -> None:
+    """Writes the entry of the model's tokenizer; where the cache cannot be written, logs it: the tokenizer
+    serves all the same, and is built again at the next start."""
+    path = entry_path(model_hash)
     try:
         write_atomic(path, json.dumps(tokenizer.to_dict()).encode())
-    except OSError as e:  # a read-only or full disk: serve anyway, convert again next time
+    except OSError as e:  # a read-only or full disk
         logger.warning("cannot keep the converted tokenizer in %s: %s", path, e)
-    return tokenizer
 
 
 def kept_tokenizer(model_hash: str) -> Tokenizer | None:
