@@ -5,6 +5,7 @@ an entry another is keeping waits for it (a server's load does not)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -199,6 +200,9 @@ def test_a_servers_cold_start_keeps_its_entries_after_ready_and_the_next_start_m
                    lambda: str(list(folder.iterdir())))
         kept = {p.name: p.stat().st_ino for p in folder.iterdir()}
         assert server.log().count("weights cache: kept") == len(kept) >= 1, server.log()
+        # converted into memory written beside the core's imports (`prefaulted_memory`)
+        [taken] = re.findall(r"written ahead beside the imports, ([\d.]+) MiB of it taken", server.log())
+        assert float(taken) > 0
     with ServerProcess(gguf, *args, env=env) as again:
-        assert "weights cache: kept" not in again.log()
+        assert "weights cache: kept" not in again.log() and "written ahead" not in again.log()
         assert {p.name: p.stat().st_ino for p in folder.iterdir()} == kept

@@ -60,7 +60,7 @@ def begin(model: str | None) -> Future[Got]:
 
 def read(model: str | None, cached: bool = True) -> Got:
     """The model's tokenizer from the cache, where its hash is kept (`cached`), else built from a GGUF file
-    where the `tokenizers` library builds it alone; serialized and built here, not after Ready."""
+    where the `tokenizers` library builds it alone."""
     from gracelm.model import tokenizer_cache
     from gracelm.model.tokenizer import Tokenizer
 
@@ -73,8 +73,9 @@ def read(model: str | None, cached: bool = True) -> Got:
         if path.is_file():
             tokenizer = Tokenizer.from_gguf_without_transformers(path)
     if tokenizer is not None:
-        tokenizer.to_dict()  # serialized here: compared with the core's, or kept
-        tokenizer.backend  # noqa: B018 - built here, beside the core's start, not after Ready
+        # Built here, beside the core's start, not after Ready. One built from the file is serialized only
+        # to be kept, after Ready (the core sends none to compare with); a kept one is its serialized form.
+        tokenizer.backend  # noqa: B018
     return Got(tokenizer, stamp if _stamp(path) == stamp else None, kept_as)
 
 

@@ -54,6 +54,20 @@ def prefetch(path: str | Path) -> None:
     threading.Thread(target=run, name="content-hash", daemon=True).start()
 
 
+def prefetched(path: str | Path) -> str | None:
+    """The hash `prefetch` began, once computed, left for `content_hash` to take; else the kept one
+    (`known_hash`). None where neither is (the prefetch failed, or none was begun of an unknown file)."""
+    path = Path(path).resolve()
+    with _lock:
+        future = _prefetched.get(path)
+    if future is None:
+        return known_hash(path)
+    try:
+        return future.result()
+    except Exception:  # noqa: BLE001 - the load hashes again, and reports what fails
+        return None
+
+
 def content_hash(path: str | Path) -> str:
     """A file's XXH3-128 (hex; see above); a directory's, sha256 of its weight and config files' names and
     hashes."""

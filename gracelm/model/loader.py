@@ -10,6 +10,7 @@ dense bfloat16 weights take 270 MB beside 98 MB of blocks).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -26,7 +27,8 @@ from safetensors import SafetensorError, safe_open
 
 import gracelm.cpu_features as cpu_features
 from gracelm.config import QUANTIZATION_CHOICES, ModelConfig
-from gracelm.memory_budget import gib, require
+from gracelm.memory_budget import available_memory, gib, require
+from gracelm.model import prefaulted_memory
 from gracelm.model.block_linear import BlockLinear
 from gracelm.model.expert_weights import split_hf_experts
 from gracelm.model.file_hash import content_hash
@@ -214,9 +216,12 @@ def _check_weights_fit(shapes: list, low_bit_bytes: int, dtype: torch.dtype, dev
     sizes = [math.prod(shape) for shape in shapes]
     dense = sum(sizes) * dtype.itemsize
     need = dense + low_bit_bytes + max(sizes, default=0) * 8 + _LOAD_MARGIN
+    available = available_memory()
+    # The memory written ahead for the conversion is counted used, and is the weights' own.
+    available = dataclasses.replace(available, bytes=available.bytes + prefaulted_memory.held())
     require(need, f"the model's weights ({gib(dense)} dense in {str(dtype).removeprefix('torch.')}, "
                   f"{gib(low_bit_bytes)} in a low-bit form) and their loading",
-            "free memory, raise the limit, or serve a smaller file or one of fewer bits")
+            "free memory, raise the limit, or serve a smaller file or one of fewer bits", available)
 
 
 def build_model(

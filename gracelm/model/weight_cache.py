@@ -41,6 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gracelm.cache_dir import cache_dir, mtime
+from gracelm.model import prefaulted_memory
 from gracelm.model.entry_keeper import Claim, keep
 from gracelm.startup_timeline import mark
 
@@ -123,10 +124,16 @@ def safetensors_header(expected: Expected) -> tuple[bytes, dict[str, int]]:
 
 
 def _filled(expected: Expected, fill: Fill) -> dict[str, torch.Tensor]:
-    """The tensors converted into memory of their own."""
-    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in expected.items()}
+    """The tensors converted into memory of their own: written ahead of the load where it was
+    (`prefaulted_memory`)."""
+    tensors = {name: _new(shape, dtype) for name, (shape, dtype) in expected.items()}
     fill(tensors)
     return tensors
+
+
+def _new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    taken = prefaulted_memory.take(shape, dtype)
+    return taken if taken is not None else torch.empty(shape, dtype=dtype)
 
 
 def entry_path(model_hash: str, kind: torch.dtype | str) -> Path:

@@ -38,7 +38,7 @@ from gracelm.config import EngineConfig, ModelConfig, parse_size
 from gracelm.lifecycle.faults import faults
 from gracelm.lifecycle.heap import keep_freed_memory, release_freed_memory
 from gracelm.memory_budget import available_memory, gib, require
-from gracelm.model import decode_attention
+from gracelm.model import decode_attention, prefaulted_memory
 from gracelm.model.attention import KV_CACHE_LAYOUT, allocate_kv_cache, kv_cache_bytes_per_block
 from gracelm.model.batch_invariant import make_batch_invariant
 from gracelm.model.device import resolve_device
@@ -108,10 +108,13 @@ class Worker:
         share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
         torch.set_num_threads(self.config.num_threads or share)
         keep_freed_memory()
-        with deferred_keeping():  # the cache entries it converts are written after the warm-up
-            self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization,
-                                     self.device, dense_weights_for(self.config),
-                                     embedding=self.config.task == "embed")
+        try:
+            with deferred_keeping():  # the cache entries it converts are written after the warm-up
+                self.loaded = load_model(self.config.model, self.config.dtype, self.config.quantization,
+                                         self.device, dense_weights_for(self.config),
+                                         embedding=self.config.task == "embed")
+        finally:
+            prefaulted_memory.release()  # what the conversion did not take
         # Freezing fuses and repacks the HF-named linears, so it comes last: after sharding, which splits them
         # (the tensor-parallel shard freezes itself once split).
         if self.world_size > 1:
