@@ -183,13 +183,42 @@ def _got(value: early_tokenizer.Got) -> Future[early_tokenizer.Got]:
     return future
 
 
-def test_a_tokenizer_built_here_is_taken_where_it_is_of_the_loaded_file_and_kept(gguf_file: Path) -> None:
-    got = early_tokenizer.read(str(gguf_file))
-    assert got.tokenizer is not None and got.kept_as is None and got.stamp is not None
-    taken = early_tokenizer.take(_ready(gguf_file, content_hash(gguf_file)), str(gguf_file), _got(got))
+def test_a_tokenizer_built_here_is_taken_where_it_is_of_the_loaded_file_and_kept(
+        gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # none of this file's tokenizer kept yet
+    got = early_tokenizer.read(str(gguf_file))  # before the core's hash is kept: kept after Ready
+    assert got.tokenizer is not None and got.model_hash is None and got.stamp is not None
+    model_hash = content_hash(gguf_file)
+    assert not entry_path(model_hash).exists()
+    taken = early_tokenizer.take(_ready(gguf_file, model_hash), str(gguf_file), _got(got))
     _kept_meanwhile()
     assert taken is got.tokenizer
-    assert kept_tokenizer(content_hash(gguf_file)).to_dict() == taken.to_dict()
+    assert kept_tokenizer(model_hash).to_dict() == taken.to_dict()
+    entry_path(model_hash).unlink()
+    got = early_tokenizer.read(str(gguf_file))  # the hash kept meanwhile: kept at once
+    assert got.model_hash == model_hash and kept_tokenizer(model_hash).to_dict() == taken.to_dict()
+    assert early_tokenizer.take(_ready(gguf_file, model_hash), str(gguf_file), _got(got)) is got.tokenizer
+
+
+def test_a_tokenizer_built_while_the_file_changed_is_neither_kept_nor_taken(
+        gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replaced while the frontend built its tokenizer, the file's new hash (kept by the core) is not the
+    tokenizer's: nothing is kept under it, and the tokenizer is not taken as the file's."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    other = write_gguf(tmp_path / "other.gguf", gguf_layout(hf_model("llama", seed=12), "llama"), Q.Q8_0)
+    content_hash(gguf_file)
+    build = Tokenizer.from_gguf_without_transformers.__func__  # type: ignore[attr-defined]
+
+    def replaced_meanwhile(cls: type[Tokenizer], path: Path) -> Tokenizer | None:
+        tokenizer = build(cls, path)
+        gguf_file.write_bytes(other.read_bytes())
+        content_hash(gguf_file)  # the new content's hash kept, as the core keeps it
+        return tokenizer
+
+    monkeypatch.setattr(Tokenizer, "from_gguf_without_transformers", classmethod(replaced_meanwhile))
+    got = early_tokenizer.read(str(gguf_file))
+    assert got.tokenizer is not None and got.stamp is None and got.model_hash is None
+    assert not list(cache_dir("tokenizers").iterdir())
 
 
 def test_a_tokenizer_read_before_the_file_changed_is_not_taken(gguf_file: Path, tmp_path: Path) -> None:
@@ -211,7 +240,13 @@ def test_a_kept_tokenizer_of_another_model_is_not_taken(gguf_file: Path, tmp_pat
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     other = write_gguf(tmp_path / "other.gguf", gguf_layout(hf_model("llama", seed=12), "llama"), Q.Q8_0)
     open_gguf(other).tokenizer()  # kept, under the other file's hash
-    monkeypatch.setattr(early_tokenizer, "known_hash", lambda path: content_hash(other))
+    asked: list[Path] = []
+
+    def stale(path: Path) -> str | None:  # the first answer is the other file's: a stale index
+        asked.append(path)
+        return content_hash(other) if len(asked) == 1 else known_hash(path)
+
+    monkeypatch.setattr(early_tokenizer, "known_hash", stale)
     read = _recording(monkeypatch)
     with Engine(str(gguf_file), **ENGINE) as engine:
         assert len(read) == 1 and read[0] is not None and engine.tokenizer is not read[0]

@@ -8,7 +8,9 @@ from the cache where the model's hash and its tokenizer are kept, else, for a GG
   here is the model's, where it is of the file the core loaded: the file unchanged (its device, inode, size
   and modification time) since the thread read it, and its content hash the core's. A tokenizer built here
   is kept in the cache, for the next starts and for the core's own, which it builds only where a request
-  needs it. A file replaced meanwhile is read once more; one that changes again fails the start.
+  needs it: by the thread, under the hash the core's start keeps beside its imports, or, where that was not
+  known yet, beside the first requests. A file replaced meanwhile is read once more; one that changes again
+  fails the start.
 - Otherwise (a model directory, a GGUF kind only transformers builds) the core sends its tokenizer, and the
   one got here is taken only where it is that one. Transformers is never imported here: it takes seconds
   and hundreds of MB of the HTTP process's memory.
@@ -40,7 +42,8 @@ Stamp = tuple[int, int, int, int]
 class Got:
     tokenizer: Tokenizer | None
     stamp: Stamp | None  # the file's while it was read; None where it changed meanwhile
-    kept_as: str | None  # the model hash of the cache's entry it was read from; None: built from the file
+    # The content hash whose cache entry it is (read, or kept here); None where the hash was not known yet.
+    model_hash: str | None
 
 
 def begin(model: str | None) -> Future[Got]:
@@ -60,23 +63,27 @@ def begin(model: str | None) -> Future[Got]:
 
 def read(model: str | None, cached: bool = True) -> Got:
     """The model's tokenizer from the cache, where its hash is kept (`cached`), else built from a GGUF file
-    where the `tokenizers` library builds it alone."""
+    where the `tokenizers` library builds it alone, and kept where the core has hashed the file by then."""
     from gracelm.model import tokenizer_cache
     from gracelm.model.tokenizer import Tokenizer
 
     path = resolve_model_path(model)
     stamp = _stamp(path)
-    kept_as = known_hash(path) if cached else None
-    tokenizer = None if kept_as is None else tokenizer_cache.kept_tokenizer(kept_as)
+    model_hash = known_hash(path) if cached else None
+    tokenizer = None if model_hash is None else tokenizer_cache.kept_tokenizer(model_hash)
     if tokenizer is None:
-        kept_as = None
+        model_hash = None
         if path.is_file():
             tokenizer = Tokenizer.from_gguf_without_transformers(path)
-    if tokenizer is not None:
-        # Built here, beside the core's start, not after Ready. One built from the file is serialized only
-        # to be kept, after Ready (the core sends none to compare with); a kept one is its serialized form.
-        tokenizer.backend  # noqa: B018
-    return Got(tokenizer, stamp if _stamp(path) == stamp else None, kept_as)
+        if tokenizer is not None:
+            model_hash = known_hash(path)  # kept by the core's hash of the file, beside its imports
+    unchanged = stamp is not None and _stamp(path) == stamp  # the hash, too, is of what was read
+    if tokenizer is None:
+        return Got(None, None, None)
+    if unchanged and model_hash is not None and not tokenizer_cache.entry_path(model_hash).exists():
+        tokenizer_cache.keep(model_hash, tokenizer)  # here, not beside the first requests
+    tokenizer.backend  # noqa: B018 - built here, beside the core's start, not after Ready
+    return Got(tokenizer, stamp if unchanged else None, model_hash if unchanged else None)
 
 
 def take(ready: msg.Ready, model: str | None, early: Future[Got]) -> Tokenizer:
@@ -99,7 +106,7 @@ def take(ready: msg.Ready, model: str | None, early: Future[Got]) -> Tokenizer:
             raise RuntimeError(f"the model file {path} changed while the engine core loaded it: the "
                                f"tokenizer read from it is not the loaded model's")
     assert got.tokenizer is not None
-    if got.kept_as is None:  # built here; written beside the first requests: tens of ms of JSON
+    if got.model_hash is None:  # built before the core's hash was known: kept beside the first requests
         threading.Thread(target=keep, args=(ready.model_hash, got.tokenizer), name="keep-tokenizer").start()
     return got.tokenizer
 
@@ -110,7 +117,7 @@ def _of_model(got: Got, path: Path, model_hash: str) -> bool:
     `stat`)."""
     if got.tokenizer is None or got.stamp is None or got.stamp != _stamp(path):
         return False
-    return (got.kept_as or content_hash(path)) == model_hash
+    return (got.model_hash or content_hash(path)) == model_hash
 
 
 def _stamp(path: Path) -> Stamp | None:
