@@ -82,7 +82,10 @@ def read(model: str | None, cached: bool = True) -> Got:
         return Got(None, None, None)
     if unchanged and model_hash is not None and not tokenizer_cache.entry_path(model_hash).exists():
         tokenizer_cache.keep(model_hash, tokenizer)  # here, not beside the first requests
-    tokenizer.backend  # noqa: B018 - built here, beside the core's start, not after Ready
+    # Built and serialized here, beside the core's start, not after Ready: the server hands its serialized
+    # form to the grammar checker, and keeps it.
+    tokenizer.backend  # noqa: B018
+    tokenizer.to_dict()
     return Got(tokenizer, stamp if unchanged else None, model_hash if unchanged else None)
 
 
