@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,27 @@ def test_the_weights_check_counts_the_memory_written_ahead_as_theirs(
     prefaulted_memory.release()
     with pytest.raises(MemoryBudgetError, match="a test's limit"):
         loader._check_weights_fit(shapes, 0, torch.float32, torch.device("cpu"))
+
+
+def test_a_release_does_not_wait_for_the_files_hash(model_file: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load that fails before it has hashed the file releases at once, and the writer, once the hash
+    comes, makes no arena."""
+    hashed = threading.Event()
+    real = file_hash.prefetched
+
+    def slow(path: Path) -> str | None:
+        hashed.wait(60)
+        return real(path)
+
+    monkeypatch.setattr(file_hash, "prefetched", slow)
+    prefaulted_memory.begin(model_file)
+    releasing = threading.Thread(target=prefaulted_memory.release)
+    releasing.start()
+    releasing.join(timeout=30)
+    released = not releasing.is_alive()  # it waited for the hash, held back until now
+    hashed.set()
+    assert released
+    begun = prefaulted_memory._begun
+    begun.thread.join(timeout=60)
+    assert not begun.thread.is_alive() and begun.arena is None

@@ -176,10 +176,12 @@ def release() -> None:
 
 
 def _stopped() -> Arena | None:
-    """The arena, once its writer has stopped (it stops within a chunk)."""
+    """The arena, once its writer has stopped (within a chunk). A thread that has made none yet makes none
+    from then on: it is not waited for (it may be waiting for the file's hash)."""
     begun = _begun
     with begun.lock:
         begun.stop.set()
-    if begun.thread is not None and begun.thread is not threading.current_thread():
+        arena = begun.arena
+    if arena is not None and begun.thread is not None:
         begun.thread.join()
-    return begun.arena
+    return arena
