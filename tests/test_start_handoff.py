@@ -29,6 +29,8 @@ from gracelm.engine.core import EngineCore
 from gracelm.model import file_hash
 from gracelm.model.file_hash import content_hash, known_hash
 from gracelm.model.gguf_loader import open_gguf
+from gracelm.model.loader import load_model
+from gracelm.model.model_files import ModelLoadError
 from gracelm.model.token_constraints import GrammarCompiler
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import entry_path, kept_tokenizer
@@ -154,6 +156,20 @@ def test_the_core_builds_no_tokenizer_before_ready_where_the_frontend_builds_it(
         assert kept_tokenizer(content_hash(gguf_file)).to_dict() == core.tokenizer.to_dict()
     finally:
         core.executor.shutdown()
+
+
+def test_the_cores_tokenizer_of_a_file_changed_since_the_load_is_refused(
+        gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built at its first use, long after the load: where the file was replaced meanwhile (and the cache
+    kept no tokenizer of the loaded one), it is refused, naming the file, rather than another model's."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    loaded = load_model(gguf_file, dtype="float32")
+    model_hash = content_hash(gguf_file)
+    other = write_gguf(tmp_path / "other.gguf", gguf_layout(hf_model("llama", seed=12), "llama"), Q.Q8_0)
+    gguf_file.write_bytes(other.read_bytes())
+    with pytest.raises(ModelLoadError, match=f"{gguf_file} changed since its model was loaded"):
+        loaded.tokenizer  # noqa: B018
+    assert not entry_path(model_hash).exists()  # nothing kept under the loaded model's hash
 
 
 def test_a_gguf_kind_only_transformers_builds_is_sent_by_the_core(gguf_file: Path,

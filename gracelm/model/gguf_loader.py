@@ -27,6 +27,7 @@ from gracelm.model.gguf_config import NOT_WEIGHTS, gguf_model_config
 from gracelm.model.gguf_int4 import INT4_TYPES
 from gracelm.model.gguf_reader import GGUFFile, GGUFTensorInfo, read_gguf
 from gracelm.model.load_progress import load_progress
+from gracelm.model.model_files import ModelLoadError
 from gracelm.model.quantized_linear import LowBitForm
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.model.tokenizer_cache import cached_tokenizer
@@ -115,9 +116,18 @@ class GGUFModel:
     model_hash: str
 
     def tokenizer(self) -> Tokenizer:
-        """From the cache, else built from the file's metadata, read whole then."""
+        """From the cache, else built from the file's metadata, read whole then: a server's engine core builds
+        it at its first use, long after the load, and a file changed since is refused (ModelLoadError)
+        rather than giving another model's tokenizer."""
+        return cached_tokenizer(self.model_hash, self._built_tokenizer)
+
+    def _built_tokenizer(self) -> Tokenizer:
         path = self.gguf.path
-        return cached_tokenizer(self.model_hash, lambda: Tokenizer.from_gguf(path))
+        tokenizer = Tokenizer.from_gguf(path)
+        if content_hash(path) != self.model_hash:
+            raise ModelLoadError(f"{path} changed since its model was loaded: its tokenizer is not the "
+                                 f"served model's; restart the server to serve the file as it is now")
+        return tokenizer
 
     def weights(self, dtype: torch.dtype, without: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
         """Every tensor dequantized to `dtype`, under its Hugging Face name, but those named in `without`

@@ -95,8 +95,8 @@ class LoadedModel:
 def load_model(path: str | os.PathLike[str] | None = None, dtype: str = "auto",
                quantization: str = "auto", device: torch.device | str = "cpu",
                dense_weights: str = "on", embedding: bool = False) -> LoadedModel:
-    """Loads weights, config and tokenizer onto `device`; `path=None` is the default model
-    (SmolLM2-135M-Instruct GGUF).
+    """Loads weights and config onto `device` (the tokenizer: `LoadedModel.tokenizer_of`); `path=None` is
+    the default model (SmolLM2-135M-Instruct GGUF).
 
     `quantization` (`config.QUANTIZATION_CHOICES`): "auto", "blocks" and "int4" also load a GGUF file's 4-
     and 8-bit blocks in a low-bit kernel's form (`quantized_linear.form_for`) where the model runs on the
