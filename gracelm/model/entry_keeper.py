@@ -33,14 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gracelm.background_priority import lower_this_thread
 from gracelm.cache_dir import write_atomic
 
 logger = logging.getLogger(__name__)
 
 # Bytes written per call: a stop waits for one at most.
 _CHUNK = 64 << 20
-# The writing thread's nice value.
-_NICE = 19
 _keepers: set[_Keeper] = set()
 _deferring = False
 _keepers_lock = threading.Lock()
@@ -108,9 +107,7 @@ class _Keeper:
         self.thread.start()
 
     def _write_behind(self) -> None:
-        # Beside serving, the write takes what the requests leave: it is worth a faster next start only.
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+        lower_this_thread()  # beside serving, the write takes what the requests leave
         self.write()
 
     def write(self) -> None:

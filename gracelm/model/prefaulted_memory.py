@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gracelm.background_priority import lower_this_thread
 from gracelm.cache_dir import cache_dir
 from gracelm.memory_budget import available_memory, gib
 from gracelm.model import file_hash
@@ -43,8 +44,6 @@ MARGIN = 1 << 30
 CHUNK = 64 << 20
 # Each tensor's offset, as torch's own allocator aligns them.
 ALIGNMENT = 64
-# The writer's niceness: the import beside it, and the frontend's own start, come first.
-NICENESS = 19
 
 
 class Arena:
@@ -111,7 +110,8 @@ def begin(path: Path) -> None:
 
 def _prefault(begun: _Begun, path: Path) -> None:
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        if not lower_this_thread():  # at the import's own priority, it would slow the import as much
+            return
         model_hash = file_hash.prefetched(path)
         if model_hash is None or _cache_holds(model_hash):
             return
