@@ -35,7 +35,13 @@ from gracelm.model.file_hash import content_hash
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.gguf_int4 import input_copies, int4_blocks
 from gracelm.model.kernel_library import LOADED
-from gracelm.model.llama import FrozenLinear, LlamaForCausalLM, describe_linear_kernels, set_int4_max_rows
+from gracelm.model.llama import (
+    FrozenLinear,
+    LlamaForCausalLM,
+    describe_linear_kernels,
+    long_prompts_differ,
+    set_int4_max_rows,
+)
 from gracelm.model.loader import LoadedModel, load_model
 from gracelm.model.low_bit_gate import SHORT_PROMPT
 from gracelm.model.model_files import ModelLoadError
@@ -351,6 +357,33 @@ def kernels_of_step(loaded: LoadedModel, query_lens: list[int], start: int,
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         loaded.model(batch, caches)
     return {event.key for event in profile.key_averages()}
+
+
+@no_vnni
+def test_long_prompts_take_kernels_of_their_own_beside_a_dense_copy_or_the_tile_unit_only(tmp_path: Path
+                                                                                         ) -> None:
+    """What the warm-up's long prompt is for (`parallel/warmup.py`): the file's blocks alone multiply a long
+    prompt with the very ops of a short one, unless the tile unit takes its calls (its attention is SDPA,
+    whose first call the warm-up leaves to the first long prompt); a dense copy serves it."""
+    path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1)
+    long, short = [SHORT_PROMPT + 4], [4]
+    alone = load_model(path, dtype="bfloat16", quantization="blocks", dense_weights="off")
+    alone.freeze()
+    assert long_prompts_differ(alone.model) == (amx_rows() > 0)
+    if not amx_rows():
+        long_ops, short_ops = kernels_of_step(alone, long, 0, long), kernels_of_step(alone, short, 0, short)
+        assert BLOCK_OP in long_ops & short_ops
+        assert long_ops - short_ops == {"aten::scaled_dot_product_attention",
+                                        "aten::_scaled_dot_product_flash_attention_for_cpu"}
+    beside = load_model(path, dtype="bfloat16", quantization="blocks", dense_weights="on")
+    beside.freeze()
+    assert long_prompts_differ(beside.model)
+    dense_ops = {"mkldnn::_linear_pointwise", "aten::linear"}
+    assert dense_ops & kernels_of_step(beside, long, 0, long) and not dense_ops & kernels_of_step(
+        beside, short, 0, short)
+    dense = load_model(path, dtype="bfloat16", quantization="none")
+    dense.freeze()
+    assert long_prompts_differ(dense.model)
 
 
 def test_8bit_halves_serve_bfloat16_steps_of_few_rows_only(tmp_path: Path) -> None:

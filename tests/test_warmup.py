@@ -21,7 +21,7 @@ from gracelm.engine.core import EngineCore
 from gracelm.model.low_bit_gate import SHORT_PROMPT
 from gracelm.model.sampler import make_generator
 from gracelm.model.tokenizer import Tokenizer
-from gracelm.parallel.warmup import DECODE_STEPS, warmup_steps
+from gracelm.parallel.warmup import DECODE_STEPS, LONG_PROMPT_LEN, SHORT_PROMPT_LEN, warmup_steps
 from gracelm.sampling_params import SamplingParams
 from gracelm.serving.serving_warmup import warm_up_serving
 from tests.server_process import ServerProcess
@@ -50,6 +50,15 @@ def test_the_steps_prefill_a_long_and_a_short_prompt_then_decode_both_then_one()
         assert len(step.request_ids) == len(step.params) == len(batch.query_lens)
     assert any(params.temperature == 0 for params in prefill.params)
     assert any(params.temperature > 0 and params.seed is None for params in prefill.params)
+
+
+def test_where_long_prompts_take_no_kernels_of_their_own_both_prompts_are_short() -> None:
+    long = warmup_steps(16, num_blocks=64, vocab_size=100)
+    short = warmup_steps(16, num_blocks=64, vocab_size=100, long_prompt=False)
+    assert long[0].batch.query_lens == [LONG_PROMPT_LEN, SHORT_PROMPT_LEN]
+    assert short[0].batch.query_lens == [SHORT_PROMPT_LEN] * 2 and SHORT_PROMPT_LEN < SHORT_PROMPT
+    assert [len(step.batch.query_lens) for step in short] == [len(step.batch.query_lens) for step in long]
+    assert [step.params for step in short] == [step.params for step in long]
 
 
 def test_a_small_cache_warms_up_with_what_fits() -> None:

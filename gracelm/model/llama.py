@@ -26,6 +26,7 @@ from torch import nn
 import gracelm.cpu_features as cpu_features
 from gracelm.config import ModelConfig, UnsupportedModelError
 from gracelm.model.attention import AttentionMetadata, LayerAttention, paged_attention
+from gracelm.model.block_linear import amx_rows
 from gracelm.model.decode_graph import DecodeGraph
 from gracelm.model.forward_batch import ForwardBatch
 from gracelm.model.low_bit_gate import SHORT_PROMPT, Int4Gate
@@ -186,6 +187,16 @@ def linear_path(module: nn.Module) -> str:
     dense = ("dense-bfloat16-onednn" if first.packed is not None  # oneDNN packs bfloat16 only
              else f"dense-{str(first.weight.dtype).removeprefix('torch.')}")
     return dense if low_bit is None else f"{low_bit.path()}/{dense}"
+
+
+def long_prompts_differ(module: nn.Module) -> bool:
+    """Whether the tokens of a prompt of `SHORT_PROMPT` or more are multiplied by other kernels than decode
+    tokens below `module`: a dense copy's (`low_bit_gate.py`), or the tile unit's, which takes calls of 16
+    rows or more (`block_linear.amx_rows`). Not where the file's forms alone serve every row without the tile
+    unit: a long prompt's rows then take the kernel decode rows take, in a call of their own."""
+    linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
+    low_bit = [m for m in linears if m.int4 is not None and m.int4_max_rows > 0]
+    return not low_bit or any(m.has_dense for m in linears) or amx_rows() > 0
 
 
 def describe_linear_kernels(module: nn.Module) -> str:

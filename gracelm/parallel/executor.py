@@ -27,6 +27,7 @@ import gracelm.startup_timeline as startup_timeline
 from gracelm.config import EngineConfig, ModelConfig
 from gracelm.lifecycle.ledger import Ledger, Outcome, ResourceKind, ResourceReport, ShutdownReport
 from gracelm.model.entry_keeper import start_keeping
+from gracelm.model.llama import long_prompts_differ
 from gracelm.model.loader import LoadedModel
 from gracelm.model_step import ModelStep, StepResult
 from gracelm.parallel import messages as m
@@ -135,7 +136,8 @@ class Executor:
         """The first steps, on every rank, before the core says Ready (`warmup.py`): after the compiled
         graphs load, so that they run too; before the cache's pages are committed, which would compete."""
         steps = warmup_steps(self.config.block_size, num_blocks, self.model_config.vocab_size,
-                             pooled=self.config.task == "embed")
+                             pooled=self.config.task == "embed",
+                             long_prompt=long_prompts_differ(self._driver.loaded.model))
         if self._group is not None:
             self._group.broadcast(m.WarmUp([step.batch for step in steps]))
         run_warmup(self._driver, steps)

@@ -13,6 +13,11 @@ graph of several sequences, or eager decode of several rows); then of the first 
 Rank 0 samples each step as requests most often ask: one row greedy, one at a temperature with top-p, top-k
 and logprobs.
 
+Where long prompts take the matmul kernels decode rows take (`llama.long_prompts_differ`: a GGUF file's
+forms alone, no tile unit), the first prompt is as short as the second. Its 16 rows more would multiply
+every weight again, which is most of the warm-up's time, to pay SDPA's first call alone: that costs the
+first long prompt a fraction of one of its rows' arithmetic.
+
 Why it leaves nothing behind. It runs before the KV-cache manager exists (`EngineCore` builds it once the
 executor's cache is set up), on the blocks the manager hands out first: nothing refers to them afterwards,
 no prefix-cache entry, no request, no block in use, and every slot a request reads it has written first.
@@ -56,18 +61,24 @@ class _Sequence:
     params: SamplingParams
 
 
-# (prompt length, decode steps, sampling) of each sequence, in the order their blocks are taken.
+# The prompts' lengths: a long one takes the prompt paths, a short one the low-bit forms.
+LONG_PROMPT_LEN = SHORT_PROMPT + 4
+SHORT_PROMPT_LEN = 4
+# (decode steps, sampling) of each sequence, in the order their blocks are taken: the first's prompt is the
+# long one, the second's the short one.
 _SEQUENCES = (
-    (SHORT_PROMPT + 4, 2 * DECODE_STEPS, SamplingParams(temperature=0.0)),
-    (4, DECODE_STEPS, SamplingParams(temperature=0.7, top_p=0.9, top_k=40, logprobs=1)),
+    (2 * DECODE_STEPS, SamplingParams(temperature=0.0)),
+    (DECODE_STEPS, SamplingParams(temperature=0.7, top_p=0.9, top_k=40, logprobs=1)),
 )
 
 
-def warmup_steps(block_size: int, num_blocks: int, vocab_size: int, pooled: bool = False) -> list[ModelStep]:
+def warmup_steps(block_size: int, num_blocks: int, vocab_size: int, pooled: bool = False,
+                 long_prompt: bool = True) -> list[ModelStep]:
     """The warm-up's steps over blocks 0 and up of a cache of `num_blocks`; a sequence whose blocks do not
     fit is left out (none fits: no step). `pooled`: an embedding model's, whose rows are pooled, not
-    sampled."""
-    sequences = _sequences(block_size, num_blocks, vocab_size)
+    sampled. `long_prompt`: whether long prompts take paths of their own (else both prompts are short)."""
+    prompt_lens = (LONG_PROMPT_LEN if long_prompt else SHORT_PROMPT_LEN, SHORT_PROMPT_LEN)
+    sequences = _sequences(block_size, num_blocks, vocab_size, prompt_lens)
     if not sequences:
         return []
     first = sequences[0]
@@ -85,10 +96,11 @@ def _pooled(step: ModelStep) -> ModelStep:
                      pool_rows=[PoolRows(request_id, 1) for request_id in step.request_ids])
 
 
-def _sequences(block_size: int, num_blocks: int, vocab_size: int) -> list[_Sequence]:
+def _sequences(block_size: int, num_blocks: int, vocab_size: int, prompt_lens: tuple[int, int]
+               ) -> list[_Sequence]:
     sequences: list[_Sequence] = []
     next_block = 0
-    for index, (prompt_len, decoded, params) in enumerate(_SEQUENCES):
+    for index, (prompt_len, (decoded, params)) in enumerate(zip(prompt_lens, _SEQUENCES, strict=True)):
         length = prompt_len + decoded
         width = cdiv(length, block_size)
         if next_block + width > num_blocks:
