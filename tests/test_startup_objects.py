@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 
-from gracelm.lifecycle.startup_objects import freeze_startup_objects
+import pytest
+
+from gracelm.lifecycle.startup_objects import freeze_startup_objects, imports_uncollected
 
 
 def test_startup_objects_are_frozen_and_later_garbage_is_still_collected() -> None:
@@ -20,3 +22,28 @@ def test_startup_objects_are_frozen_and_later_garbage_is_still_collected() -> No
         assert gc.collect() >= 1
     finally:
         gc.unfreeze()  # the test process goes on as before
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_imports_run_uncollected_and_their_objects_are_frozen_after(enabled: bool) -> None:
+    """The collector is paused inside, and put back as it was; what was made inside is frozen, garbage
+    included (a cycle made inside is never collected), and a cycle made after is."""
+    (gc.enable if enabled else gc.disable)()
+    before = gc.get_freeze_count()
+    try:
+        with imports_uncollected():
+            assert not gc.isenabled()
+            made = [[] for _ in range(1000)]
+            cycle: list = []
+            cycle.append(cycle)
+            del cycle
+        assert gc.isenabled() == enabled
+        assert gc.get_freeze_count() >= before + len(made) + 1
+        assert gc.collect() == 0  # the frozen cycle is out of reach
+        later: list = []
+        later.append(later)
+        del later
+        assert gc.collect() >= 1
+    finally:
+        gc.unfreeze()
+        gc.enable()

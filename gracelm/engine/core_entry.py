@@ -7,11 +7,14 @@ converted weights and tokenizer). On a later start the hash is a `stat` and the 
 
 And on a first start of a model file, the memory its conversion will write (`model/prefaulted_memory.py`):
 a page's first write costs a fault, which a thread takes on beside the import.
+
+The import itself runs with Python's cyclic collector paused (`lifecycle/startup_objects.py`).
 """
 
 from __future__ import annotations
 
 from gracelm.config import EngineConfig
+from gracelm.lifecycle.startup_objects import imports_uncollected
 from gracelm.model import file_hash, prefaulted_memory
 from gracelm.model.model_files import resolve_model_path
 
@@ -25,6 +28,6 @@ def run_engine_core(config: EngineConfig, *args: object) -> None:
             prefaulted_memory.begin(path)
     except (ValueError, OSError):  # no such model, or an unreadable one: the load says so
         pass
-    from gracelm.engine.core import run_engine_core as run
-
+    with imports_uncollected():
+        from gracelm.engine.core import run_engine_core as run
     run(config, *args)
