@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import gc
 
-import pytest
-
-from gracelm.lifecycle.startup_objects import freeze_startup_objects, imports_uncollected
+from gracelm.lifecycle.startup_objects import freeze_startup_objects, imports_uncollected, pause_collection
 
 
 def test_startup_objects_are_frozen_and_later_garbage_is_still_collected() -> None:
@@ -24,11 +22,9 @@ def test_startup_objects_are_frozen_and_later_garbage_is_still_collected() -> No
         gc.unfreeze()  # the test process goes on as before
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_imports_run_uncollected_and_their_objects_are_frozen_after(enabled: bool) -> None:
-    """The collector is paused inside, and put back as it was; what was made inside is frozen, garbage
-    included (a cycle made inside is never collected), and a cycle made after is."""
-    (gc.enable if enabled else gc.disable)()
+def test_imports_run_uncollected_and_their_objects_are_frozen_after() -> None:
+    """The collector is paused inside and runs after; what was made inside is frozen, garbage included (a
+    cycle made inside is never collected), and a cycle made after is collected."""
     before = gc.get_freeze_count()
     try:
         with imports_uncollected():
@@ -37,13 +33,23 @@ def test_imports_run_uncollected_and_their_objects_are_frozen_after(enabled: boo
             cycle: list = []
             cycle.append(cycle)
             del cycle
-        assert gc.isenabled() == enabled
+        assert gc.isenabled()
         assert gc.get_freeze_count() >= before + len(made) + 1
         assert gc.collect() == 0  # the frozen cycle is out of reach
         later: list = []
         later.append(later)
         del later
         assert gc.collect() >= 1
+    finally:
+        gc.unfreeze()
+
+
+def test_a_paused_collection_runs_again_once_start_up_objects_are_frozen() -> None:
+    try:
+        pause_collection()
+        assert not gc.isenabled()
+        freeze_startup_objects()
+        assert gc.isenabled()
     finally:
         gc.unfreeze()
         gc.enable()

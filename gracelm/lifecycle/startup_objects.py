@@ -9,11 +9,12 @@ whenever the objects that survived two collections since the last one reach a qu
 there. Frozen objects are never freed: start-up's few cyclic leftovers stay too (a collection first would
 free them: 23 objects in the engine core, for those 122 ms before its first step).
 
-The engine core's imports (torch's, then its own) run with the collector paused (`imports_uncollected`):
-they make those objects, and while they grow Python collects them over and over, each full collection
-walking all those made so far; a tenth of the imports' time went to it. A module's objects live as long as
-the process, so they are frozen at once: the cyclic garbage the imports leave (a few thousand tuples,
-cells and functions, under a MiB) stays with them.
+The collector is paused while a start makes most of those objects: as they grow they set off collection
+after collection, each full one walking every object made so far. In the engine core that is its imports
+(`imports_uncollected`: torch's and its own; a tenth of their time went to it); in the HTTP process its
+whole start (`pause_collection` until `freeze_startup_objects`: its imports, the tokenizer's vocabulary,
+the routes' schemas). The cyclic garbage made meanwhile (a few thousand small objects, under a MiB in
+each process) is frozen with the rest.
 """
 
 from __future__ import annotations
@@ -23,19 +24,23 @@ import gc
 from collections.abc import Iterator
 
 
+def pause_collection() -> None:
+    """Pauses the cyclic collector until `freeze_startup_objects`."""
+    gc.disable()
+
+
 @contextlib.contextmanager
 def imports_uncollected() -> Iterator[None]:
-    """Imports with the cyclic collector paused, what they made frozen after them (see above)."""
-    enabled = gc.isenabled()
-    gc.disable()
+    """Imports with the cyclic collector paused, what they made frozen after them."""
+    pause_collection()
     try:
         yield
     finally:
-        gc.freeze()
-        if enabled:
-            gc.enable()
+        freeze_startup_objects()
 
 
 def freeze_startup_objects() -> None:
-    """Called once a process has finished starting, right before it serves."""
+    """Called once a process has finished starting, right before it serves; the collector runs from then on
+    (again, after `pause_collection`)."""
     gc.freeze()
+    gc.enable()

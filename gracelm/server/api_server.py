@@ -37,7 +37,7 @@ from gracelm.lifecycle.sd_notify import SdNotify
 from gracelm.lifecycle.server_state import Lifecycle, ServerState
 from gracelm.lifecycle.service_notifier import ServiceNotifier
 from gracelm.lifecycle.signals import HANDLED_SIGNALS, SignalHandler, SignalPolicy, StartupInterrupted
-from gracelm.lifecycle.startup_objects import freeze_startup_objects
+from gracelm.lifecycle.startup_objects import freeze_startup_objects, pause_collection
 from gracelm.lifecycle.supervisor import Supervisor
 from gracelm.model.model_files import resolve_model_path
 from gracelm.serving.chat_template_option import read_chat_template
@@ -55,6 +55,7 @@ def run_server(config: EngineConfig, settings: ServerConfig) -> NoReturn:
     in native code) writes every thread's stack to the log (faulthandler); its children then follow it by
     their death pipe, and the next start reclaims its runtime directory."""
     faulthandler.enable()
+    pause_collection()  # until the start is over (`freeze_startup_objects`)
     startup_timeline.begin().mark("boot")
     code = _run(config, settings)
     logger.info("exiting with code %d", code)
