@@ -8,16 +8,22 @@ import asyncio
 import logging
 import re
 from itertools import accumulate
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from prometheus_client.parser import text_string_to_metric_families
 
 import gracelm.parallel.executor as executor_module
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
 from gracelm.engine.core import EngineCore
+from gracelm.model.block_linear import amx_rows
+from gracelm.model.block_linear import serves as block_serves
+from gracelm.model.llama import long_prompts_differ
+from gracelm.model.loader import load_model
 from gracelm.model.low_bit_gate import SHORT_PROMPT
 from gracelm.model.sampler import make_generator
 from gracelm.model.tokenizer import Tokenizer
@@ -25,6 +31,7 @@ from gracelm.parallel.warmup import DECODE_STEPS, LONG_PROMPT_LEN, SHORT_PROMPT_
 from gracelm.sampling_params import SamplingParams
 from gracelm.serving.serving_warmup import warm_up_serving
 from tests.server_process import ServerProcess
+from tests.test_quantized_linear import tiny_gguf
 from tests.tiny_models import tiny_model
 
 CORE = {"kv_cache_memory": "1MiB", "num_threads": 1, "max_model_len": 256}
@@ -86,7 +93,7 @@ def test_the_engine_after_its_warm_up_is_as_a_fresh_one(caplog: pytest.LogCaptur
     with caplog.at_level(logging.INFO, logger="gracelm.parallel.warmup"):
         core = _core(seed=3)
     try:
-        assert re.search(r"warm-up: \d+ steps in \d+ ms", caplog.text)
+        assert re.search(r"warm-up: \d+ steps \(prompts of \d+, \d+ tokens\) in \d+ ms", caplog.text)
         stats = core.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["kv_usage"] == 0
         assert stats["num_running"] == stats["num_waiting"] == stats["num_preemptions"] == 0
@@ -122,7 +129,23 @@ def test_a_served_engine_is_ready_with_nothing_counted_and_the_phase_timed() -> 
     total = re.search(r"^gracelm_kv_cache_blocks_total\{[^}]*\} (\S+)$", metrics, re.M)
     assert free and total and free.group(1) == total.group(1)
     assert float(re.findall(r'gracelm_startup_phase_seconds\{[^}]*phase="warmup"\} (\S+)', metrics)[0]) > 0
-    assert re.search(rf"warm-up: {1 + 2 * DECODE_STEPS} steps in \d+ ms", log), log[-3000:]
+    steps = rf"{1 + 2 * DECODE_STEPS} steps \(prompts of {LONG_PROMPT_LEN}, {SHORT_PROMPT_LEN} tokens\)"
+    assert re.search(rf"warm-up: {steps} in \d+ ms", log), log[-3000:]  # dense weights: the long prompt
+
+
+def test_a_gguf_served_by_its_forms_alone_warms_up_with_short_prompts_only(tmp_path: Path) -> None:
+    """The executor asks the loaded model (`llama.long_prompts_differ`): on a CPU whose blocks kernel serves
+    every row without the tile unit, a 4-bit file's server warms up with two short prompts; elsewhere (a
+    dense copy, the tile unit) with the long one too."""
+    path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1)
+    loaded = load_model(path, dense_weights="auto")  # as the server loads it by default
+    loaded.freeze()
+    long_prompt = long_prompts_differ(loaded.model)
+    assert long_prompt == (not block_serves() or amx_rows() > 0)
+    first = LONG_PROMPT_LEN if long_prompt else SHORT_PROMPT_LEN
+    with ServerProcess(path, "--kv-cache-memory", "1MiB", "--num-threads", "1") as server:
+        log = server.log()
+    assert f"(prompts of {first}, {SHORT_PROMPT_LEN} tokens)" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("template", [None, "{{ raise_exception('no chat here') }}"])

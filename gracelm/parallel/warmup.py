@@ -141,7 +141,9 @@ def run_warmup(driver: Worker, steps: list[ModelStep]) -> None:
     with driver.unrecorded():
         for step in steps:
             driver.sample_step(step)
-    logger.info("warm-up: %d steps in %.0f ms", len(steps), (time.perf_counter() - started) * 1000)
+    prompts = ", ".join(map(str, steps[0].batch.query_lens)) if steps else "none"
+    logger.info("warm-up: %d steps (prompts of %s tokens) in %.0f ms", len(steps), prompts,
+                (time.perf_counter() - started) * 1000)
     startup_timeline.mark("warmup")
 
 
