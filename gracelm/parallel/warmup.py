@@ -65,7 +65,7 @@ class _Sequence:
 LONG_PROMPT_LEN = SHORT_PROMPT + 4
 SHORT_PROMPT_LEN = 4
 # (decode steps, sampling) of each sequence, in the order their blocks are taken: the first's prompt is the
-# long one, the second's the short one.
+# long one (where long prompts take paths of their own), the second's the short one.
 _SEQUENCES = (
     (2 * DECODE_STEPS, SamplingParams(temperature=0.0)),
     (DECODE_STEPS, SamplingParams(temperature=0.7, top_p=0.9, top_k=40, logprobs=1)),
