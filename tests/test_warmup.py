@@ -8,30 +8,24 @@ import asyncio
 import logging
 import re
 from itertools import accumulate
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 from prometheus_client.parser import text_string_to_metric_families
 
 import gracelm.parallel.executor as executor_module
 from gracelm.config import EngineConfig
 from gracelm.engine import messages as msg
 from gracelm.engine.core import EngineCore
-from gracelm.model.block_linear import amx_rows
-from gracelm.model.block_linear import serves as block_serves
-from gracelm.model.llama import long_prompts_differ
-from gracelm.model.loader import load_model
 from gracelm.model.low_bit_gate import SHORT_PROMPT
 from gracelm.model.sampler import make_generator
 from gracelm.model.tokenizer import Tokenizer
 from gracelm.parallel.warmup import DECODE_STEPS, LONG_PROMPT_LEN, SHORT_PROMPT_LEN, warmup_steps
 from gracelm.sampling_params import SamplingParams
 from gracelm.serving.serving_warmup import warm_up_serving
+from tests.kernel_paths import BY_NAME, KernelPath, matrix_gguf
 from tests.server_process import ServerProcess
-from tests.test_quantized_linear import tiny_gguf
 from tests.tiny_models import tiny_model
 
 CORE = {"kv_cache_memory": "1MiB", "num_threads": 1, "max_model_len": 256}
@@ -133,18 +127,26 @@ def test_a_served_engine_is_ready_with_nothing_counted_and_the_phase_timed() -> 
     assert re.search(rf"warm-up: {steps} in \d+ ms", log), log[-3000:]  # dense weights: the long prompt
 
 
-def test_a_gguf_served_by_its_forms_alone_warms_up_with_short_prompts_only(tmp_path: Path) -> None:
-    """The executor asks the loaded model (`llama.long_prompts_differ`): on a CPU whose blocks kernel serves
-    every row without the tile unit, a 4-bit file's server warms up with two short prompts; elsewhere (a
-    dense copy, the tile unit) with the long one too."""
-    path = tiny_gguf(tmp_path / "m.gguf", Q.Q4_1)
-    loaded = load_model(path, dense_weights="auto")  # as the server loads it by default
-    loaded.freeze()
-    long_prompt = long_prompts_differ(loaded.model)
-    assert long_prompt == (not block_serves() or amx_rows() > 0)
-    first = LONG_PROMPT_LEN if long_prompt else SHORT_PROMPT_LEN
-    with ServerProcess(path, "--kv-cache-memory", "1MiB", "--num-threads", "1") as server:
+# The paths whose warm-up has no long prompt: a 4-bit file's forms alone, without the tile unit.
+_SHORT_WARM_UP = {"blocks-vnni"}
+_WARM_UP_PATHS = ("blocks-vnni", "blocks-amx", "blocks-dense-copy", "int4-bfloat16", "dense")
+
+
+@pytest.mark.parametrize("path", [BY_NAME[name] for name in _WARM_UP_PATHS], ids=lambda path: path.name)
+def test_a_4bit_files_server_warms_up_with_a_long_prompt_only_where_long_prompts_differ(path: KernelPath
+                                                                                       ) -> None:
+    """The executor asks the loaded model (`llama.long_prompts_differ`): where the blocks kernel serves every
+    row without the tile unit, two short prompts; beside a dense copy, in dense weights, through torch's int4
+    form (which keeps a dense copy) or through the tile unit, the long one too. Each path forced by its masked
+    CPU features and options, as the path matrix forces them (tests/kernel_paths.py)."""
+    if path.why_not_here() is not None:
+        pytest.skip(f"path {path.name}: {path.why_not_here()}")
+    args = path.server_args()
+    eager = [] if "--enforce-eager" in args else ["--enforce-eager"]  # no graph compiler beside the test
+    options = ("--kv-cache-memory", "1MiB", "--num-threads", "1")
+    with ServerProcess(matrix_gguf(), *args, *eager, *options) as server:
         log = server.log()
+    first = SHORT_PROMPT_LEN if path.name in _SHORT_WARM_UP else LONG_PROMPT_LEN
     assert f"(prompts of {first}, {SHORT_PROMPT_LEN} tokens)" in log, log[-3000:]
 
 

@@ -193,7 +193,8 @@ def long_prompts_differ(module: nn.Module) -> bool:
     """Whether the tokens of a prompt of `SHORT_PROMPT` or more are multiplied by other kernels than decode
     tokens below `module`: a dense copy's (`low_bit_gate.py`), or the tile unit's, which takes calls of 16
     rows or more (`block_linear.amx_rows`). Not where the file's forms alone serve every row without the tile
-    unit: a long prompt's rows then take the kernel decode rows take, in a call of their own."""
+    unit: a long prompt's rows then take the kernel decode rows take, in a call of their own. Any dense
+    matrix counts, a router's of no low-bit form too: oneDNN makes a primitive for each row count it meets."""
     linears = [m for m in module.modules() if isinstance(m, FrozenLinear)]
     low_bit = [m for m in linears if m.int4 is not None and m.int4_max_rows > 0]
     return not low_bit or any(m.has_dense for m in linears) or amx_rows() > 0
